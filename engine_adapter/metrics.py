@@ -1,0 +1,126 @@
+"""Engine metrics under vLLM's own names, so existing dashboards work.
+
+Fed from the engine's real statistics (the vLLM stat logger in
+`backends/vllm_stats.py`). One `EngineMetrics` per app registry, so tests are
+isolated. Also the names the seed deployment's PromQL queries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _token_buckets(max_len: int) -> list[float]:
+    out: list[float] = []
+    base = 1
+    while base <= max_len:
+        for m in (1, 2, 5):
+            if base * m <= max_len:
+                out.append(float(base * m))
+        base *= 10
+    return out or [1.0]
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry, max_model_len: int = 8192) -> None:
+        L = ["model_name", "engine"]
+        r = registry
+        self.running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", L, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", L, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", L, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", L, registry=r)
+        self.success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.", [*L, "finished_reason"], registry=r
+        )
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions.", L, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", L, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", L, registry=r)
+        tok = _token_buckets(max_model_len)
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total", "Histogram of tokens per engine step.", L,
+            buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], registry=r,
+        )
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", L, buckets=_LATENCY, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", L, buckets=_ITL, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End to end request latency in seconds.", L, buckets=_E2E, registry=r)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time spent in the engine's WAITING phase.", L, buckets=_E2E, registry=r
+        )
+        self.req_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", L, buckets=tok, registry=r)
+        self.req_generation = Histogram(
+            "vllm:request_generation_tokens", "Generation tokens per request.", L, buckets=tok, registry=r
+        )
+        # The seed deployment's names (its PromQL must keep working).
+        self.seed_running = Gauge("vllm_num_running_requests", "Requests running on the engine.", L, registry=r)
+        self.seed_batch_tokens = Counter(
+            "vllm_batch_tokens_processed", "Tokens processed by engine steps (prefill + decode).", L, registry=r
+        )
+
+    def set_scheduler(self, model: str, engine: int, running: int, waiting: int, kv_usage: float) -> None:
+        e = str(engine)
+        self.running.labels(model, e).set(running)
+        self.seed_running.labels(model, e).set(running)
+        self.waiting.labels(model, e).set(waiting)
+        self.kv_usage.labels(model, e).set(kv_usage)
+
+    def add_prefix_cache(self, model: str, engine: int, queries: int, hits: int) -> None:
+        e = str(engine)
+        if queries:
+            self.prefix_queries.labels(model, e).inc(queries)
+        if hits:
+            self.prefix_hits.labels(model, e).inc(hits)
+
+    def observe_iteration(
+        self,
+        model: str,
+        engine: int,
+        prompt_tokens: int,
+        generation_tokens: int,
+        preemptions: int,
+        ttfts: Iterable[float],
+        itls: Iterable[float],
+        batch_tokens: int | None = None,
+    ) -> None:
+        """One engine step. `batch_tokens`: tokens the step computed (prompt
+        tokens not served from the prefix cache, plus generated ones)."""
+        e = str(engine)
+        self.prompt_tokens.labels(model, e).inc(prompt_tokens)
+        self.generation_tokens.labels(model, e).inc(generation_tokens)
+        if preemptions:
+            self.preemptions.labels(model, e).inc(preemptions)
+        batch = prompt_tokens + generation_tokens if batch_tokens is None else batch_tokens
+        self.iteration_tokens.labels(model, e).observe(batch)
+        self.seed_batch_tokens.labels(model, e).inc(batch)
+        ttft = self.ttft.labels(model, e)
+        for v in ttfts:
+            ttft.observe(v)
+        itl = self.itl.labels(model, e)
+        for v in itls:
+            itl.observe(v)
+
+    def observe_finished(
+        self,
+        model: str,
+        engine: int,
+        reason: str,
+        e2e: float,
+        queued: float,
+        prompt_tokens: int,
+        generation_tokens: int,
+    ) -> None:
+        e = str(engine)
+        self.success.labels(model, e, reason).inc()
+        self.e2e.labels(model, e).observe(e2e)
+        self.queue_time.labels(model, e).observe(queued)
+        self.req_prompt.labels(model, e).observe(prompt_tokens)
+        self.req_generation.labels(model, e).observe(generation_tokens)

@@ -1,0 +1,525 @@
+"""The worker pool: bounded queue, admission, priorities, dispatch,
+supervision, readiness and drain for the engines of one model.
+
+A request first needs a slot on a worker (at most `slots` requests run on one
+engine at a time). Free slot: it runs at once on the least-loaded healthy
+worker. No free slot: it waits in a bounded priority queue (lower `priority`
+value first, as in vLLM; equal priorities keep arrival order). A full queue
+rejects at once (`QueueFull`, 429), a wait past `max_queue_wait` gives
+`QueueTimeout` (503) and the request never reaches an engine.
+
+Each running request has its own channel: a producer task pumps the engine's
+deltas into it and the consumer (the HTTP handler) reads them. Cancelling the
+consumer (client disconnect), the request deadline and shutdown all cancel the
+producer, which aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from engine_adapter.errors import (
+    EngineDead,
+    EngineError,
+    GatewayError,
+    QueueFull,
+    QueueTimeout,
+    RequestTimeout,
+    ServiceUnavailable,
+    ShuttingDown,
+)
+from engine_adapter.types import (
+    EmbeddingRequest,
+    Engine,
+    EngineOutput,
+    EngineStats,
+    GenerationRequest,
+    ModelCard,
+    SamplingOptions,
+    Tokenizer,
+)
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[int], Engine]
+_END = object()
+_TICK = object()
+
+
+class _Ticker:
+    """Puts _TICK into a channel whenever nothing else came for `every` s."""
+
+    __slots__ = ("channel", "every", "seen", "_handle", "_loop")
+
+    def __init__(self, channel: asyncio.Queue[object], every: float) -> None:
+        self.channel = channel
+        self.every = every
+        self.seen = False
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_later(every, self._fire)
+
+    def _fire(self) -> None:
+        if not self.seen:
+            self.channel.put_nowait(_TICK)
+        self.seen = False
+        self._handle = self._loop.call_later(self.every, self._fire)
+
+    def stop(self) -> None:
+        self._handle.cancel()
+
+
+@dataclass(slots=True)
+class Worker:
+    index: int
+    engine: Engine
+    slots: int
+    in_flight: int = 0
+    alive: bool = False
+    restarts: int = 0
+    last_ready: float | None = None  # monotonic time of the last good probe
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    @property
+    def free(self) -> int:
+        return self.slots - self.in_flight if self.alive else 0
+
+
+@dataclass(order=True, slots=True)
+class _Waiter:
+    priority: int
+    seq: int
+    future: asyncio.Future[Worker] = field(compare=False)
+    enqueued: float = field(compare=False, default=0.0)
+    cancelled: bool = field(compare=False, default=False)
+
+
+@dataclass(slots=True)
+class PoolCounters:
+    rejected: Counter[str] = field(default_factory=Counter)
+    queue_time_total: float = 0.0
+    dispatched: int = 0
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        name: str,
+        factory: EngineFactory,
+        *,
+        num_workers: int = 1,
+        slots_per_worker: int = 256,
+        max_queue_size: int = 1024,
+        max_queue_wait: float = 60.0,
+        readiness_interval: float = 5.0,
+        probe_timeout: float | None = None,
+        restart_backoff: tuple[float, float] = (1.0, 30.0),
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError("num_workers must be >= 1")
+        self.name = name
+        self._factory = factory
+        self.workers = [
+            Worker(index=i, engine=factory(i), slots=slots_per_worker)
+            for i in range(num_workers)
+        ]
+        self.max_queue_size = max_queue_size
+        self.max_queue_wait = max_queue_wait
+        self.readiness_interval = readiness_interval
+        self.probe_timeout = probe_timeout if probe_timeout is not None else readiness_interval
+        self.restart_backoff = restart_backoff
+        self.counters = PoolCounters()
+        self._queue: list[_Waiter] = []
+        self._queued = 0
+        self._queued_by_priority: Counter[int] = Counter()
+        self._seq = itertools.count()
+        self._accepting = False
+        self._background: set[asyncio.Task[None]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._running = 0
+
+    # ---- what the HTTP layer reads -------------------------------------
+    @property
+    def card(self) -> ModelCard:
+        return self.workers[0].engine.card
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.workers[0].engine.tokenizer
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queued
+
+    def queue_depth_by_priority(self) -> dict[int, int]:
+        return {p: n for p, n in self._queued_by_priority.items() if n}
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    def stats(self) -> list[EngineStats]:
+        return [w.engine.stats() for w in self.workers]
+
+    def ready(self, now: float | None = None) -> bool:
+        """At least one live worker did a real generation recently."""
+        return self._accepting and self.ready_workers(now) > 0
+
+    # ---- lifecycle -----------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.gather(*(self._start_worker(w) for w in self.workers))
+        self._accepting = True
+        for w in self.workers:
+            await self._probe(w)
+            self._spawn(self._probe_loop(w))
+
+    async def _start_worker(self, w: Worker) -> None:
+        await w.engine.start()
+        w.alive = True
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def stop(self, timeout: float = 0.0) -> None:
+        """Stop accepting, drain in-flight work for up to `timeout`, abort the
+        rest with clean errors, then stop the engines."""
+        self._accepting = False
+        while self._queue:
+            waiter = heapq.heappop(self._queue)
+            if not waiter.future.done():
+                waiter.future.set_exception(ShuttingDown("the server is shutting down"))
+        if self._running and timeout > 0:
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except TimeoutError:
+                logger.warning(
+                    "%s: %d requests still running after %.1fs; aborting them",
+                    self.name, self._running, timeout,
+                )
+        for w in self.workers:
+            for t in list(w.tasks):
+                t.cancel()
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*(w.engine.stop() for w in self.workers), return_exceptions=True)
+        for w in self.workers:
+            w.alive = False
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    # ---- admission -----------------------------------------------------
+    def _pick(self) -> Worker | None:
+        best: Worker | None = None
+        for w in self.workers:
+            if w.free > 0 and (best is None or w.in_flight < best.in_flight):
+                best = w
+        return best
+
+    async def _acquire(self, priority: int, deadline: float | None) -> Worker:
+        if not self._accepting:
+            raise ShuttingDown("the server is shutting down", retry_after=5)
+        if not self._queue:
+            w = self._pick()
+            if w is not None:
+                w.in_flight += 1
+                self.counters.dispatched += 1
+                return w
+        if not any(w.alive for w in self.workers):
+            self.counters.rejected["no_worker"] += 1
+            raise EngineDead(
+                f"model {self.name!r} has no live worker (restarting)", retry_after=5
+            )
+        if self._queued >= self.max_queue_size:
+            self.counters.rejected["queue_full"] += 1
+            raise QueueFull(
+                f"the queue of model {self.name!r} is full "
+                f"({self.max_queue_size} waiting); retry later",
+                retry_after=1,
+            )
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(priority, next(self._seq), loop.create_future(), time.monotonic())
+        heapq.heappush(self._queue, waiter)
+        self._queued += 1
+        self._queued_by_priority[priority] += 1
+        wait = self.max_queue_wait
+        if deadline is not None:
+            wait = min(wait, max(0.0, deadline - time.monotonic()))
+        try:
+            w = await asyncio.wait_for(asyncio.shield(waiter.future), wait)
+        except TimeoutError:
+            self._forget(waiter)
+            if waiter.future.done() and not waiter.future.exception():
+                return waiter.future.result()  # assigned at the last moment
+            self.counters.rejected["queue_timeout"] += 1
+            raise QueueTimeout(
+                f"request waited {wait:.1f}s in the queue of model {self.name!r} "
+                "without a free engine slot; it was not started",
+                retry_after=1,
+            ) from None
+        except asyncio.CancelledError:
+            self._forget(waiter)
+            if waiter.future.done() and not waiter.future.cancelled() and not waiter.future.exception():
+                self._release(waiter.future.result())
+            raise
+        self.counters.queue_time_total += time.monotonic() - waiter.enqueued
+        return w
+
+    def _forget(self, waiter: _Waiter) -> None:
+        if not waiter.cancelled:
+            waiter.cancelled = True
+            if not waiter.future.done():
+                self._queued -= 1
+                self._queued_by_priority[waiter.priority] -= 1
+
+    def _release(self, w: Worker) -> None:
+        w.in_flight -= 1
+        while self._queue and w.free > 0:
+            waiter = heapq.heappop(self._queue)
+            if waiter.cancelled or waiter.future.done():
+                continue
+            self._queued -= 1
+            self._queued_by_priority[waiter.priority] -= 1
+            target = self._pick() or w
+            target.in_flight += 1
+            self.counters.dispatched += 1
+            waiter.future.set_result(target)
+
+    # ---- generation ----------------------------------------------------
+    async def generate(
+        self, req: GenerationRequest, idle_tick: float | None = None
+    ) -> AsyncIterator[EngineOutput | None]:
+        """Stream the deltas of `req`. Errors are `GatewayError`s. With
+        `idle_tick`, yields None whenever nothing came for that many seconds
+        (for SSE keep-alives), also while waiting in the queue."""
+        channel: asyncio.Queue[object] = asyncio.Queue()
+        if not idle_tick or (not self._queue and self._pick() is not None):
+            w = await self._acquire(req.priority, req.deadline)
+        else:  # may wait in the queue: keep the client's connection alive
+            acquire = asyncio.ensure_future(self._acquire(req.priority, req.deadline))
+            try:
+                while not acquire.done():
+                    done, _ = await asyncio.wait((acquire,), timeout=idle_tick)
+                    if not done:
+                        yield None
+                w = await acquire
+            except BaseException:
+                if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
+                    self._release(acquire.result())
+                else:
+                    acquire.cancel()
+                raise
+        ticker = _Ticker(channel, idle_tick) if idle_tick else None
+        producer = asyncio.ensure_future(self._pump(w, req, channel))
+        w.tasks.add(producer)
+        self._running += 1
+        self._idle.clear()
+        timer: asyncio.TimerHandle | None = None
+        if req.deadline is not None:
+            loop = asyncio.get_running_loop()
+            delay = req.deadline - time.monotonic()
+            timer = loop.call_later(max(0.0, delay), self._expire, producer, channel, req)
+        try:
+            while True:
+                try:
+                    item = channel.get_nowait()
+                except asyncio.QueueEmpty:
+                    item = await channel.get()
+                if item is _END:
+                    return
+                if item is _TICK:
+                    yield None
+                    continue
+                if ticker is not None:
+                    ticker.seen = True
+                if isinstance(item, BaseException):
+                    raise item
+                assert isinstance(item, EngineOutput)
+                yield item
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if ticker is not None:
+                ticker.stop()
+            if not producer.done():
+                producer.cancel()
+                try:
+                    await asyncio.shield(producer)
+                except BaseException:  # noqa: BLE001 - the abort is what matters
+                    pass
+            w.tasks.discard(producer)
+            self._running -= 1
+            if self._running == 0:
+                self._idle.set()
+            self._release(w)
+
+    def _expire(
+        self, producer: asyncio.Task[None], channel: asyncio.Queue[object], req: GenerationRequest
+    ) -> None:
+        if not producer.done():
+            producer.cancel()
+            channel.put_nowait(
+                RequestTimeout(
+                    "the request exceeded the gateway's request timeout and was aborted"
+                )
+            )
+
+    async def _pump(
+        self, w: Worker, req: GenerationRequest, channel: asyncio.Queue[object]
+    ) -> None:
+        try:
+            async for out in w.engine.generate(req):
+                channel.put_nowait(out)
+            w.last_ready = time.monotonic()
+            channel.put_nowait(_END)
+        except asyncio.CancelledError:
+            await self._abort_quietly(w, req.request_id)
+            if not self._accepting:
+                channel.put_nowait(ShuttingDown("the server shut down before the request finished"))
+            raise
+        except GatewayError as e:
+            if isinstance(e, EngineDead):
+                self._on_dead(w, e)
+            channel.put_nowait(e)
+        except Exception as e:  # an engine bug must not hang the client
+            logger.exception("%s worker %d: generate failed", self.name, w.index)
+            channel.put_nowait(EngineError(f"engine error: {type(e).__name__}"))
+
+    async def _abort_quietly(self, w: Worker, request_id: str) -> None:
+        try:
+            await w.engine.abort(request_id)
+        except Exception:  # noqa: BLE001 - a dead engine has nothing to abort
+            logger.debug("abort of %s failed", request_id, exc_info=True)
+
+    async def embed(self, req: EmbeddingRequest) -> list[list[float]]:
+        w = await self._acquire(req.priority, req.deadline)
+        self._running += 1
+        self._idle.clear()
+        try:
+            coro = w.engine.embed(req)
+            if req.deadline is not None:
+                try:
+                    return await asyncio.wait_for(coro, max(0.0, req.deadline - time.monotonic()))
+                except TimeoutError:
+                    raise RequestTimeout("the embedding request exceeded the request timeout") from None
+            return await coro
+        except EngineDead as e:
+            self._on_dead(w, e)
+            raise
+        finally:
+            self._running -= 1
+            if self._running == 0:
+                self._idle.set()
+            self._release(w)
+
+    # ---- supervision and readiness ----------------------------------------
+    def _on_dead(self, w: Worker, err: BaseException) -> None:
+        if not w.alive:
+            return
+        logger.error("%s worker %d died: %s; restarting", self.name, w.index, err)
+        w.alive = False
+        w.last_ready = None
+        for t in list(w.tasks):
+            t.cancel()
+        if self._accepting:
+            self._spawn(self._restart(w))
+
+    async def _restart(self, w: Worker) -> None:
+        delay, cap = self.restart_backoff
+        while self._accepting:
+            try:
+                await w.engine.stop()
+            except Exception:  # noqa: BLE001
+                logger.debug("stopping dead engine failed", exc_info=True)
+            try:
+                w.engine = self._factory(w.index)
+                await w.engine.start()
+            except Exception:
+                logger.exception("%s worker %d failed to restart; retry in %.0fs", self.name, w.index, delay)
+                await asyncio.sleep(delay)
+                delay = min(cap, delay * 2)
+                continue
+            w.alive = True
+            w.restarts += 1
+            logger.info("%s worker %d restarted", self.name, w.index)
+            await self._probe(w)
+            # wake waiters that can now be served
+            w.in_flight += 1
+            self._release(w)
+            return
+
+    async def _probe(self, w: Worker) -> None:
+        """A real 1-token generation (or a health call for embedding models)."""
+        if not w.alive:
+            return
+        try:
+            await asyncio.wait_for(self._probe_once(w), self.probe_timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            logger.warning("%s worker %d: readiness probe timed out", self.name, w.index)
+            return
+        except EngineDead as e:
+            self._on_dead(w, e)
+            return
+        except Exception as e:  # noqa: BLE001
+            logger.warning("%s worker %d: readiness probe failed: %s", self.name, w.index, e)
+            return
+        w.last_ready = time.monotonic()
+
+    async def _probe_once(self, w: Worker) -> None:
+        await w.engine.health()
+        if w.engine.card.kind == "embed":
+            await w.engine.embed(
+                EmbeddingRequest(f"probe-{uuid.uuid4().hex}", self.name, ((1,),))
+            )
+            return
+        eos = w.engine.tokenizer.eos_token_id
+        req = GenerationRequest(
+            request_id=f"probe-{uuid.uuid4().hex}",
+            model=self.name,
+            prompt_token_ids=(eos if eos is not None else 0,),
+            sampling=SamplingOptions(max_tokens=1, temperature=0.0, ignore_eos=True),
+        )
+        gen = w.engine.generate(req)
+        try:
+            async for _ in gen:
+                pass
+        except asyncio.CancelledError:
+            await self._abort_quietly(w, req.request_id)
+            raise
+
+    async def _probe_loop(self, w: Worker) -> None:
+        # A finished real request counts as a probe, so a busy worker is not
+        # probed; an idle one is, twice per interval.
+        half = self.readiness_interval / 2
+        while True:
+            await asyncio.sleep(half)
+            fresh = w.last_ready is not None and time.monotonic() - w.last_ready < half
+            if w.alive and not fresh:
+                await self._probe(w)
+
+    def alive_workers(self) -> int:
+        return sum(1 for w in self.workers if w.alive)
+
+    def ready_workers(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        return sum(
+            1
+            for w in self.workers
+            if w.alive and w.last_ready is not None and now - w.last_ready <= self.readiness_interval
+        )
+
+
+def check_available(pool: WorkerPool) -> None:
+    if not pool.alive_workers():
+        raise ServiceUnavailable(f"model {pool.name!r} has no live worker")

@@ -1,0 +1,89 @@
+"""The app factory: `create_app(settings, pools=None)`. Shared objects live
+in the app's state, built in the lifespan; nothing happens at import."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from engine_adapter.metrics import EngineMetrics
+from engine_adapter.pool import WorkerPool
+from server.auth import KeyStore
+from server.errors import install_error_handlers
+from server.limits import Limits
+from server.metrics import GatewayMetrics, PoolCollector
+from server.middleware import GatewayMiddleware
+from server.routes import admin, chat, completions, embeddings, health, models, tokenize
+from server.settings import Settings
+from server.state import Gateway
+
+logger = logging.getLogger(__name__)
+
+ServedPools = list[tuple[WorkerPool, tuple[str, ...], str]]
+
+
+def create_app(
+    settings: Settings,
+    pools: ServedPools | None = None,
+    registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    """`pools`: (pool, served names, root) per model; built from `settings`
+    in the lifespan when not given. Given pools are started and stopped by
+    the app too."""
+    registry = registry if registry is not None else CollectorRegistry()
+    gw_metrics = GatewayMetrics(registry)
+    holder: dict[str, Gateway] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from server.devices import start_device_monitor
+
+        served = pools
+        if served is None:
+            from server.models_setup import build_served_pools
+
+            served = build_served_pools(settings, EngineMetrics(registry, settings.max_model_len or 8192))
+        gw = Gateway(settings, served)
+        gw.limits = Limits(gw_metrics)
+        holder["gw"] = gw
+        app.state.gateway = gw
+        started: list[WorkerPool] = []
+        monitor = None
+
+        async def start(p: WorkerPool) -> None:
+            await p.start()
+            started.append(p)
+
+        try:
+            await asyncio.gather(*(start(p) for p in gw.pools))
+            monitor = await start_device_monitor(settings, registry)
+            logger.info("serving %s", ", ".join(gw.models))
+            yield
+        finally:
+            gw.draining = True
+            await asyncio.gather(*(p.stop(settings.shutdown_timeout) for p in started))
+            if monitor is not None:
+                await monitor.stop()
+
+    app = FastAPI(
+        title="npu-gateway",
+        summary="OpenAI-compatible gateway for vLLM engines on Ascend NPUs, GPUs and CPUs",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.registry = registry
+    app.state.metrics = gw_metrics
+    app.state.keys = KeyStore.from_settings(settings)
+    registry.register(
+        PoolCollector(lambda: holder["gw"].pools if "gw" in holder else [], gw_metrics.rejections)
+    )
+    install_error_handlers(app)
+    for r in (chat, completions, embeddings, models, tokenize, health, admin):
+        app.include_router(r.router)
+    app.add_middleware(GatewayMiddleware, metrics=gw_metrics, max_body=settings.max_request_body_bytes)
+    return app

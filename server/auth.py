@@ -1,0 +1,152 @@
+"""API keys: `--api-key` (repeatable) and a YAML keys file holding the
+SHA-256 of each key (never the key), with per-key limits.
+
+Keys are accepted as `Authorization: Bearer`, `api-key` or `x-api-key`, and
+compared in constant time. A key itself is never logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from fastapi import Request
+
+from engine_adapter.errors import AuthenticationError, PermissionDenied
+from server.settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    name: str
+    sha256: str
+    models: frozenset[str] | None = None  # None: every model
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+    priority: int | None = None
+    admin: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    name: str | None  # None: no keys configured (open server)
+    entry: KeyEntry | None = None
+
+    def check_model(self, model: str) -> None:
+        if self.entry is not None and self.entry.models is not None and model not in self.entry.models:
+            raise PermissionDenied(
+                f"this API key may not use the model `{model}`", param="model"
+            )
+
+    def priority_for(self, requested: int, explicit: bool) -> int:
+        """The request's own `priority` if it sent one, else its key's default."""
+        if explicit or self.entry is None or self.entry.priority is None:
+            return requested
+        return self.entry.priority
+
+    @property
+    def admin(self) -> bool:
+        return self.entry is None or self.entry.admin
+
+
+def sha256_hex(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def load_keys_file(path: Path) -> list[KeyEntry]:
+    data = yaml.safe_load(path.read_text()) or {}
+    raw = data.get("keys", data) if isinstance(data, dict) else data
+    if not isinstance(raw, list):
+        raise ValueError(f"{path}: expected a list of keys under `keys:`")
+    out = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict) or "sha256" not in item or "name" not in item:
+            raise ValueError(f"{path}: key #{i} needs `name` and `sha256`")
+        digest = str(item["sha256"]).lower()
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ValueError(f"{path}: key {item['name']!r}: sha256 must be 64 hex digits")
+        models = item.get("models")
+        out.append(
+            KeyEntry(
+                name=str(item["name"]),
+                sha256=digest,
+                models=frozenset(models) if models else None,
+                requests_per_minute=item.get("requests_per_minute"),
+                tokens_per_minute=item.get("tokens_per_minute"),
+                max_concurrent=item.get("max_concurrent"),
+                priority=item.get("priority"),
+                admin=bool(item.get("admin", False)),
+            )
+        )
+    return out
+
+
+class KeyStore:
+    def __init__(self, entries: list[KeyEntry], metrics_key: str | None = None) -> None:
+        self.entries = entries
+        self._metrics_digest = sha256_hex(metrics_key) if metrics_key else None
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> KeyStore:
+        entries = [
+            KeyEntry(name=f"key-{i + 1}", sha256=sha256_hex(k), admin=s.admin_api_key is None)
+            for i, k in enumerate(s.api_key)
+        ]
+        if s.admin_api_key:
+            entries.append(KeyEntry(name="admin", sha256=sha256_hex(s.admin_api_key), admin=True))
+        if s.api_keys_file is not None:
+            entries.extend(load_keys_file(s.api_keys_file))
+        return cls(entries, s.metrics_api_key)
+
+    @property
+    def open(self) -> bool:
+        return not self.entries
+
+    def lookup(self, key: str) -> KeyEntry | None:
+        digest = sha256_hex(key)
+        found = None
+        for e in self.entries:  # no early exit: constant time over the list
+            if hmac.compare_digest(digest, e.sha256):
+                found = e
+        return found
+
+    def metrics_allowed(self, key: str | None) -> bool:
+        if self._metrics_digest is None:
+            return True
+        return key is not None and hmac.compare_digest(sha256_hex(key), self._metrics_digest)
+
+
+def key_from_headers(request: Request) -> str | None:
+    h = request.headers
+    auth = h.get("authorization")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    return h.get("api-key") or h.get("x-api-key")
+
+
+async def authenticate(request: Request) -> Principal:
+    store: KeyStore = request.app.state.keys
+    if store.open:
+        return Principal(name=None)
+    key = key_from_headers(request)
+    if key is None:
+        raise AuthenticationError(
+            "You didn't provide an API key. Pass it as `Authorization: Bearer KEY`."
+        )
+    entry = store.lookup(key)
+    if entry is None:
+        raise AuthenticationError("Incorrect API key provided.")
+    return Principal(name=entry.name, entry=entry)
+
+
+async def require_admin(request: Request) -> Principal:
+    p = await authenticate(request)
+    if not p.admin:
+        raise PermissionDenied("this route needs an admin API key", code="admin_required")
+    return p

@@ -1,0 +1,114 @@
+"""`npu-gateway serve` and `npu-gateway prepare-model`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from types import FrameType
+
+import uvicorn
+
+from server.settings import Settings, add_settings_arguments, settings_from_args
+
+logger = logging.getLogger("npu_gateway")
+
+
+class GatewayServer(uvicorn.Server):
+    """SIGTERM/SIGINT: stop accepting work (503 + Retry-After, /ready fails at
+    once) while the socket stays open, let in-flight requests finish for up to
+    --shutdown-timeout, abort the rest with clean errors, then exit 0. A
+    second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, settings: Settings) -> None:
+        super().__init__(config)
+        self.settings = settings
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)  # type: ignore[arg-type]
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining or self._loop is None or not self.started:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        app = self.config.loaded_app
+        gw = getattr(getattr(_unwrap(app), "state", None), "gateway", None)
+        timeout = self.settings.shutdown_timeout
+        if gw is not None:
+            logger.info("draining: in-flight requests get up to %.0fs", timeout)
+            gw.begin_drain()
+            loop = asyncio.get_running_loop()
+            end = loop.time() + timeout
+            while any(p.running for p in gw.pools) and loop.time() < end:
+                await asyncio.sleep(0.1)
+            await asyncio.gather(*(p.stop(0) for p in gw.pools), return_exceptions=True)
+            await asyncio.sleep(0.2)  # let aborted streams write their error events
+        self.should_exit = True
+
+
+def _unwrap(app: object) -> object:
+    while hasattr(app, "app") and not hasattr(app, "state"):
+        app = app.app
+    return app
+
+
+def serve(settings: Settings) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from server.app import create_app
+
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=75,
+    )
+    GatewayServer(config, settings).run()
+
+
+def prepare_model() -> None:
+    from engine_adapter.model import embedded_embedding_dir, prepare_embedded_model
+
+    print(prepare_embedded_model(progress=True))
+    print(embedded_embedding_dir())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="npu-gateway", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    add_settings_arguments(serve_p)
+    sub.add_parser("prepare-model", help="convert the embedded model once (no network)")
+    ns = parser.parse_args(argv)
+    if ns.command == "prepare-model":
+        prepare_model()
+        return
+    try:
+        settings = settings_from_args(ns)
+    except Exception as e:  # pydantic ValidationError: a clear message, no trace
+        print(f"npu-gateway: invalid settings:\n{e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    serve(settings)
+
+
+if __name__ == "__main__":
+    main()
+
+

@@ -1,0 +1,139 @@
+"""Per-key limits: requests per minute, tokens per minute, concurrent
+requests. Over a limit: 429 with Retry-After; every response for a limited
+key carries OpenAI's x-ratelimit-* headers.
+
+Token use is reserved at admission (prompt + max_tokens, as OpenAI counts it)
+and settled to the real count when the request ends.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine_adapter.errors import GatewayError, RateLimited
+from server.auth import KeyEntry, Principal
+from server.metrics import GatewayMetrics
+
+WINDOW = 60.0
+
+
+def _reset(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    m, s = divmod(int(math.ceil(seconds)), 60)
+    return f"{m}m{s}s"
+
+
+@dataclass(slots=True)
+class _Usage:
+    requests: deque[float] = field(default_factory=deque)
+    tokens: deque[list[float]] = field(default_factory=deque)  # [time, amount]
+    token_sum: float = 0.0
+    concurrent: int = 0
+
+    def trim(self, now: float) -> None:
+        while self.requests and now - self.requests[0] >= WINDOW:
+            self.requests.popleft()
+        while self.tokens and now - self.tokens[0][0] >= WINDOW:
+            self.token_sum -= self.tokens.popleft()[1]
+
+
+class Admission:
+    """One admitted request's hold on its key's limits."""
+
+    __slots__ = ("_limits", "_entry", "_usage", "_slot", "_model", "_done", "_headers")
+
+    def __init__(
+        self,
+        limits: Limits,
+        entry: KeyEntry | None,
+        usage: _Usage | None,
+        slot: list[float] | None,
+        model: str,
+        headers: dict[str, str],
+    ) -> None:
+        self._limits = limits
+        self._entry = entry
+        self._usage = usage
+        self._slot = slot
+        self._model = model
+        self._done = False
+        self._headers = headers
+
+    def headers(self) -> dict[str, str]:
+        return self._headers
+
+    def finish(self, prompt: int, completion: int = 0) -> None:
+        if self._done:
+            return
+        self._done = True
+        tokens = prompt + completion
+        u = self._usage
+        if u is not None:
+            u.concurrent -= 1
+            if self._slot is not None and self._slot in u.tokens:
+                u.token_sum += tokens - self._slot[1]
+                self._slot[1] = float(tokens)
+        name = self._entry.name if self._entry is not None else None
+        self._limits.metrics.key_used(name, self._model, prompt, completion)
+
+    def fail(self, err: GatewayError) -> None:
+        self.finish(0)
+
+
+class Limits:
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+        self._usage: dict[str, _Usage] = {}
+
+    async def admit(self, principal: Principal, model: str, tokens: int) -> Admission:
+        e = principal.entry
+        if e is None or not (e.requests_per_minute or e.tokens_per_minute or e.max_concurrent):
+            self.metrics.key_request(principal.name, model)
+            return Admission(self, e, None, None, model, {})
+        now = time.monotonic()
+        u = self._usage.setdefault(e.name, _Usage())
+        u.trim(now)
+        headers = self._headers(e, u, now)
+        retry: float | None = None
+        why = ""
+        if e.requests_per_minute and len(u.requests) >= e.requests_per_minute:
+            retry, why = WINDOW - (now - u.requests[0]), f"{e.requests_per_minute} requests per minute"
+        elif e.tokens_per_minute and u.token_sum + tokens > e.tokens_per_minute:
+            if tokens > e.tokens_per_minute:
+                retry, why = WINDOW, f"{e.tokens_per_minute} tokens per minute (this request needs {tokens})"
+            else:
+                retry = WINDOW - (now - u.tokens[0][0]) if u.tokens else WINDOW
+                why = f"{e.tokens_per_minute} tokens per minute"
+        elif e.max_concurrent and u.concurrent >= e.max_concurrent:
+            retry, why = 1.0, f"{e.max_concurrent} concurrent requests"
+        if retry is not None:
+            self.metrics.rejected(model, "key_rate_limit")
+            raise RateLimited(
+                f"Rate limit reached for key `{e.name}`: {why}. Retry after {math.ceil(retry)}s.",
+                retry_after=retry,
+                headers=headers,
+            )
+        u.requests.append(now)
+        slot = [now, float(tokens)]
+        u.tokens.append(slot)
+        u.token_sum += tokens
+        u.concurrent += 1
+        self.metrics.key_request(e.name, model)
+        return Admission(self, e, u, slot, model, self._headers(e, u, now))
+
+    def _headers(self, e: KeyEntry, u: _Usage, now: float) -> dict[str, str]:
+        h: dict[str, str] = {}
+        if e.requests_per_minute:
+            h["x-ratelimit-limit-requests"] = str(e.requests_per_minute)
+            h["x-ratelimit-remaining-requests"] = str(max(0, e.requests_per_minute - len(u.requests)))
+            h["x-ratelimit-reset-requests"] = _reset(WINDOW - (now - u.requests[0]) if u.requests else 0.0)
+        if e.tokens_per_minute:
+            h["x-ratelimit-limit-tokens"] = str(e.tokens_per_minute)
+            h["x-ratelimit-remaining-tokens"] = str(max(0, int(e.tokens_per_minute - u.token_sum)))
+            h["x-ratelimit-reset-tokens"] = _reset(WINDOW - (now - u.tokens[0][0]) if u.tokens else 0.0)
+        return h

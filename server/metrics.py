@@ -1,0 +1,98 @@
+"""The gateway's own metrics, one registry per app instance.
+
+Pool state (queue depth, rejections, workers) is read at scrape time by a
+collector, so the request path pays nothing for it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as CounterDict
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine_adapter.pool import WorkerPool
+
+
+class PoolCollector(Collector):
+    def __init__(
+        self,
+        pools: Callable[[], list[WorkerPool]],
+        other_rejections: Callable[[], dict[tuple[str, str], int]],
+    ) -> None:
+        self._pools = pools
+        self._other = other_rejections
+
+    def collect(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily(
+            "npugw_queue_depth", "Requests waiting in the gateway's queue.", labels=["model_name", "priority"]
+        )
+        running = GaugeMetricFamily(
+            "npugw_requests_running", "Requests holding an engine slot.", labels=["model_name"]
+        )
+        rejected = CounterMetricFamily(
+            "npugw_admission_rejections",
+            "Requests refused before reaching an engine, by reason.",
+            labels=["model_name", "reason"],
+        )
+        alive = GaugeMetricFamily("npugw_workers_alive", "Workers whose engine runs.", labels=["model_name"])
+        ready = GaugeMetricFamily(
+            "npugw_workers_ready", "Workers that passed a real generation recently.", labels=["model_name"]
+        )
+        restarts = CounterMetricFamily("npugw_worker_restarts", "Engine restarts.", labels=["model_name"])
+        for p in self._pools():
+            by_prio = p.queue_depth_by_priority() or {0: 0}
+            for prio, n in by_prio.items():
+                depth.add_metric([p.name, str(prio)], n)
+            running.add_metric([p.name], p.running)
+            for reason in ("queue_full", "queue_timeout", "no_worker"):
+                rejected.add_metric([p.name, reason], p.counters.rejected.get(reason, 0))
+            alive.add_metric([p.name], p.alive_workers())
+            ready.add_metric([p.name], p.ready_workers())
+            restarts.add_metric([p.name], sum(w.restarts for w in p.workers))
+        for (model, reason), n in self._other().items():
+            rejected.add_metric([model, reason], n)
+        yield from (depth, running, rejected, alive, ready, restarts)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.registry = registry
+        self.http_requests = Counter(
+            "npugw_http_requests", "HTTP requests by route and status.", ["route", "method", "status"], registry=r
+        )
+        self.http_duration = Histogram(
+            "npugw_http_request_duration_seconds",
+            "Time to the end of the response, by route.",
+            ["route"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
+        self._rejections: CounterDict[tuple[str, str]] = CounterDict()
+        self.key_requests = Counter(
+            "npugw_api_key_requests", "Requests per API key name (never the key).",
+            ["api_key_name", "model_name"], registry=r,
+        )
+        self.key_tokens = Counter(
+            "npugw_api_key_tokens", "Tokens per API key name, by type (prompt, completion).",
+            ["api_key_name", "model_name", "type"], registry=r,
+        )
+
+    def rejected(self, model: str, reason: str) -> None:
+        self._rejections[(model, reason)] += 1
+
+    def rejections(self) -> dict[tuple[str, str], int]:
+        return dict(self._rejections)
+
+    def key_request(self, name: str | None, model: str) -> None:
+        self.key_requests.labels(name or "anonymous", model).inc()
+
+    def key_used(self, name: str | None, model: str, prompt: int, completion: int) -> None:
+        who = name or "anonymous"
+        if prompt:
+            self.key_tokens.labels(who, model, "prompt").inc(prompt)
+        if completion:
+            self.key_tokens.labels(who, model, "completion").inc(completion)

@@ -1,0 +1,101 @@
+"""Pure ASGI middleware (no per-request task, streams untouched): request id,
+body limit, content type, HTTP metrics."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine_adapter.errors import GatewayError, InvalidRequest, RequestTooLarge
+from server.errors import error_headers
+from server.metrics import GatewayMetrics
+
+_JSON_ROUTES = ("/v1/", "/tokenize", "/detokenize", "/admin/")
+
+
+class GatewayMiddleware:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_body: int) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        headers = dict(scope["headers"])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:200] or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        status = 500
+        rid_header = (b"x-request-id", rid.encode("latin-1"))
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), rid_header]
+            await send(message)
+
+        try:
+            err = self._precheck(scope, headers)
+            if err is not None:
+                await _send_error(send_wrapper, err)
+                return
+            await self.app(scope, self._limited(receive), send_wrapper)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "other"
+            self.metrics.http_requests.labels(path, scope["method"], str(status)).inc()
+            self.metrics.http_duration.labels(path).observe(time.perf_counter() - start)
+
+    def _precheck(self, scope: Scope, headers: dict[bytes, bytes]) -> GatewayError | None:
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return None
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                return InvalidRequest("bad Content-Length header")
+            if n > self.max_body:
+                return RequestTooLarge(
+                    f"request body of {n} bytes is over this server's limit of {self.max_body} bytes"
+                )
+        path: str = scope["path"]
+        if path.startswith(_JSON_ROUTES):
+            ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if ctype != b"application/json" and length != b"0":
+                err = InvalidRequest(
+                    f"Content-Type must be application/json, not {ctype.decode('latin-1') or 'missing'}",
+                    code="unsupported_media_type",
+                )
+                err.status = 415
+                return err
+        return None
+
+    def _limited(self, receive: Receive) -> Receive:
+        seen = 0
+        limit = self.max_body
+
+        async def wrapped() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise RequestTooLarge(f"request body is over this server's limit of {limit} bytes")
+            return message
+
+        return wrapped
+
+
+async def _send_error(send: Send, err: GatewayError) -> None:
+    body = orjson.dumps(err.to_dict())
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(err).items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

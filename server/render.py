@@ -1,0 +1,105 @@
+"""Engine deltas -> OpenAI response and chunk dicts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_adapter.types import EngineOutput, TokenLogprob
+
+
+def _bytes(s: str) -> list[int]:
+    return list(s.encode("utf-8"))
+
+
+def chat_logprobs(lps: Sequence[TokenLogprob | None]) -> list[dict[str, Any]]:
+    out = []
+    for lp in lps:
+        if lp is None:
+            continue
+        out.append(
+            {
+                "token": lp.token,
+                "logprob": max(lp.logprob, -9999.0),
+                "bytes": _bytes(lp.token),
+                "top_logprobs": [
+                    {"token": t, "logprob": max(v, -9999.0), "bytes": _bytes(t)} for _, t, v in lp.top
+                ],
+            }
+        )
+    return out
+
+
+@dataclass(slots=True)
+class CompletionLogprobs:
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+    offset: int = 0
+
+    def add(self, lps: Sequence[TokenLogprob | None], first_is_prompt_start: bool = False) -> None:
+        for i, lp in enumerate(lps):
+            if lp is None:  # the first prompt token has no logprob
+                self.tokens.append("")
+                self.token_logprobs.append(None)
+                self.top_logprobs.append(None)
+                self.text_offset.append(self.offset)
+                continue
+            self.tokens.append(lp.token)
+            self.token_logprobs.append(max(lp.logprob, -9999.0))
+            self.top_logprobs.append({t: max(v, -9999.0) for _, t, v in lp.top})
+            self.text_offset.append(self.offset)
+            self.offset += len(lp.token)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
+
+
+@dataclass(slots=True)
+class Choice:
+    """Accumulates one choice of a non-streamed response."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+
+    def add(self, out: EngineOutput) -> None:
+        if out.text:
+            self.text.append(out.text)
+        self.tokens += len(out.token_ids)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+
+    @property
+    def content(self) -> str:
+        return "".join(self.text)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
+    u: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached:
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
+    return u
+
+
+def finish(reason: str | None) -> str | None:
+    if reason in ("abort", "error", "repetition"):
+        return "stop"
+    return reason

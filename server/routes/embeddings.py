@@ -1,0 +1,91 @@
+"""POST /v1/embeddings"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from engine_adapter.errors import ContextLengthExceeded, InvalidRequest
+from engine_adapter.types import EmbeddingRequest as EngineEmbeddingRequest
+from server.deps import AuthDep, GatewayDep
+from server.protocol import EmbeddingRequest
+from server.routes.chat import _ERRORS
+from server.streaming import until_disconnect
+from server.validation import deadline_after, new_id
+
+router = APIRouter(tags=["openai"])
+
+
+def _inputs(body: EmbeddingRequest, encode: Any, vocab: int) -> list[list[int]]:
+    x = body.input
+    if isinstance(x, str):
+        seqs = [encode(x)]
+    elif isinstance(x[0], str):
+        seqs = [encode(s) for s in x]  # type: ignore[arg-type]
+    elif isinstance(x[0], int):
+        seqs = [list(x)]  # type: ignore[arg-type]
+    else:
+        seqs = [list(s) for s in x]  # type: ignore[union-attr]
+    for s in seqs:
+        if not s:
+            raise InvalidRequest("input must not be empty", param="input")
+        if max(s) >= vocab:
+            raise InvalidRequest("input holds a token id outside the vocabulary", param="input")
+    return seqs
+
+
+@router.post("/v1/embeddings", response_model=None, responses=_ERRORS)
+async def create_embeddings(
+    body: EmbeddingRequest, request: Request, gw: GatewayDep, principal: AuthDep
+) -> Response:
+    model = gw.resolve(body.model, kind="embed")
+    principal.check_model(model.id)
+    pool = model.pool
+    card = pool.card
+    if body.dimensions is not None and body.dimensions != card.embedding_dim:
+        raise InvalidRequest(
+            f"model `{model.id}` does not support `dimensions` (its embeddings have "
+            f"{card.embedding_dim} dimensions and it is not a Matryoshka model)",
+            param="dimensions",
+        )
+    tok = pool.tokenizer
+    seqs = _inputs(body, lambda s: tok.encode(s, add_special_tokens=True), tok.vocab_size)
+    for s in seqs:
+        if len(s) > card.max_model_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {card.max_model_len} tokens. "
+                f"However, an input has {len(s)} tokens.",
+                param="input",
+            )
+    total = sum(len(s) for s in seqs)
+    admission = await gw.limits.admit(principal, model.id, total)
+    req = EngineEmbeddingRequest(
+        request_id=new_id("embd"),
+        model=model.id,
+        inputs=tuple(tuple(s) for s in seqs),
+        priority=principal.priority_for(body.priority, "priority" in body.model_fields_set),
+        deadline=deadline_after(gw.settings.request_timeout),
+        api_key_name=principal.name,
+    )
+    try:
+        vectors = await until_disconnect(request, pool.embed(req))
+    finally:
+        admission.finish(total)
+    data: list[dict[str, Any]] = []
+    for i, v in enumerate(vectors):
+        emb: Any = v
+        if body.encoding_format == "base64":
+            emb = base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    out = {
+        "object": "list",
+        "data": data,
+        "model": model.id,
+        "usage": {"prompt_tokens": total, "total_tokens": total},
+    }
+    return Response(orjson.dumps(out), media_type="application/json", headers=admission.headers())

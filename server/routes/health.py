@@ -1,0 +1,26 @@
+"""/health (the process serves HTTP) and /ready (every model has a worker
+that completed a real generation within --readiness-interval)."""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import APIRouter
+from starlette.responses import Response
+
+from server.deps import GatewayDep
+
+router = APIRouter(tags=["ops"])
+
+
+@router.get("/health")
+async def health(gw: GatewayDep) -> Response:
+    return Response(b"", status_code=200)
+
+
+@router.get("/ready")
+async def ready(gw: GatewayDep) -> Response:
+    models = {p.name: {"alive": p.alive_workers(), "ready": p.ready_workers()} for p in gw.pools}
+    ok = not gw.draining and all(p.ready() for p in gw.pools)
+    body = {"status": "ready" if ok else ("draining" if gw.draining else "not_ready"), "models": models}
+    headers = {} if ok else {"Retry-After": "5"}
+    return Response(orjson.dumps(body), status_code=200 if ok else 503, media_type="application/json", headers=headers)

@@ -1,0 +1,139 @@
+"""One settings object from CLI flags, `NPUGW_*` environment variables and an
+optional YAML file (`--config`), validated at start-up. Precedence: flags,
+then environment, then the file, then defaults. Flag names follow
+`vllm serve` where the meaning is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="NPUGW_", extra="forbid", validate_default=True)
+
+    config: Path | None = Field(None, description="YAML settings file")
+    # --- HTTP ---
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    log_level: str = Field("info", description="log level")
+    # --- models ---
+    model: str | None = Field(None, description="local Hugging Face folder; default: the embedded SmolLM2")
+    served_model_name: list[str] = Field(default_factory=list, description="names (aliases) the model is served under")
+    embedding_model: str | None = Field(
+        "embedded", description="embedding model folder, 'embedded' (all-MiniLM-L6-v2) or 'none'"
+    )
+    embedding_served_model_name: list[str] = Field(default_factory=list, description="names of the embedding model")
+    backend: Literal["vllm", "simulated"] = Field("vllm", description="engine backend (simulated: benchmarks/tests)")
+    device: Literal["auto", "npu", "cuda", "cpu"] = Field("auto", description="device; auto detects")
+    # --- vLLM engine args ---
+    max_model_len: int | None = Field(None, ge=16, description="context length")
+    dtype: str = Field("auto", description="weights dtype")
+    enforce_eager: bool | None = Field(None, description="disable graph capture / compilation")
+    max_num_seqs: int = Field(256, ge=1, description="max concurrent sequences per engine")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="max tokens per engine step")
+    block_size: int | None = Field(None, ge=1, description="KV cache block size")
+    enable_prefix_caching: bool | None = Field(None, description="automatic prefix caching")
+    tensor_parallel_size: int = Field(1, ge=1, description="tensor parallel size")
+    pipeline_parallel_size: int = Field(1, ge=1, description="pipeline parallel size")
+    distributed_executor_backend: Literal["ray", "mp", "uni"] | None = Field(None, description="executor")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="device memory fraction")
+    quantization: str | None = Field(None, description="quantization method")
+    scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="vLLM scheduling policy")
+    seed: int | None = Field(None, description="engine seed")
+    # --- pool / admission ---
+    num_workers: int = Field(1, ge=1, description="engine instances per model")
+    max_queue_size: int = Field(1024, ge=0, description="in-process queue bound per model")
+    max_queue_wait: float = Field(60.0, gt=0, description="seconds a request may wait for an engine slot")
+    request_timeout: float = Field(600.0, gt=0, description="seconds a whole request may take")
+    shutdown_timeout: float = Field(30.0, ge=0, description="seconds to drain in-flight requests on SIGTERM")
+    readiness_interval: float = Field(5.0, gt=0, description="seconds between readiness probes")
+    max_n: int = Field(8, ge=1, description="largest n accepted")
+    max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="request body limit")
+    sse_keep_alive_interval: float = Field(15.0, gt=0, description="seconds between SSE keep-alive comments")
+    # --- auth ---
+    api_key: list[str] = Field(default_factory=list, description="accepted API keys (repeatable)")
+    api_keys_file: Path | None = Field(None, description="YAML keys file (sha256 of keys, limits)")
+    metrics_api_key: str | None = Field(None, description="key required for /metrics")
+    admin_api_key: str | None = Field(None, description="key for admin routes (default: any --api-key)")
+    # --- observability ---
+    device_probe_interval: float = Field(5.0, gt=0, description="seconds between device memory probes")
+    profile_dir: Path | None = Field(None, description="where /start_profile writes traces")
+    # --- simulated backend ---
+    simulated_ttft: float = Field(0.0, ge=0, description="simulated time to first token")
+    simulated_itl: float = Field(0.0, ge=0, description="simulated inter-token delay")
+
+    @field_validator("served_model_name", "embedding_served_model_name", "api_key", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [s for s in (p.strip() for p in v.split(",")) if s]
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        cfg = _config_path(init_settings)
+        if cfg is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=cfg))
+        return tuple(sources)
+
+    @property
+    def embedding_enabled(self) -> bool:
+        return self.embedding_model not in (None, "", "none")
+
+
+def _config_path(init: PydanticBaseSettingsSource) -> Path | None:
+    import os
+
+    data = init()
+    value = data.get("config") or os.environ.get("NPUGW_CONFIG")
+    return Path(value) if value else None
+
+
+def _is_bool(annotation: Any) -> bool:
+    args = typing.get_args(annotation)
+    return annotation is bool or (bool in args and all(a in (bool, type(None)) for a in args))
+
+
+def _is_list(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is list
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """One `--kebab-case` flag per setting; only flags given are returned."""
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{field.description or ''} [env NPUGW_{name.upper()}]"
+        ann = field.annotation
+        if _is_bool(ann):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        elif _is_list(ann):
+            parser.add_argument(flag, action="extend", nargs="+", default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, default=argparse.SUPPRESS, help=help_text)
+
+
+def settings_from_args(ns: argparse.Namespace) -> Settings:
+    given = {k: v for k, v in vars(ns).items() if k in Settings.model_fields}
+    return Settings(**given)
+
+
