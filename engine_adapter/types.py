@@ -106,6 +106,7 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float = 0.0
+    unfinished: int = 0  # requests the engine holds right now (live count)
 
 
 @runtime_checkable

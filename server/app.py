@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from engine_adapter.metrics import EngineMetrics
 from engine_adapter.pool import WorkerPool
@@ -35,6 +35,7 @@ def create_app(
     """`pools`: (pool, served names, root) per model; built from `settings`
     in the lifespan when not given. Given pools are started and stopped by
     the app too."""
+    disable_created_metrics()  # as vLLM does: no *_created series
     registry = registry if registry is not None else CollectorRegistry()
     gw_metrics = GatewayMetrics(registry)
     holder: dict[str, Gateway] = {}

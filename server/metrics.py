@@ -42,6 +42,11 @@ class PoolCollector(Collector):
             "npugw_workers_ready", "Workers that passed a real generation recently.", labels=["model_name"]
         )
         restarts = CounterMetricFamily("npugw_worker_restarts", "Engine restarts.", labels=["model_name"])
+        unfinished = GaugeMetricFamily(
+            "npugw_engine_unfinished_requests",
+            "Requests the engine holds right now (read live at scrape time).",
+            labels=["model_name", "engine"],
+        )
         for p in self._pools():
             by_prio = p.queue_depth_by_priority() or {0: 0}
             for prio, n in by_prio.items():
@@ -52,9 +57,15 @@ class PoolCollector(Collector):
             alive.add_metric([p.name], p.alive_workers())
             ready.add_metric([p.name], p.ready_workers())
             restarts.add_metric([p.name], sum(w.restarts for w in p.workers))
+            for w in p.workers:
+                try:
+                    n = w.engine.stats().unfinished if w.alive else 0
+                except Exception:  # a dying engine must not break the scrape
+                    n = 0
+                unfinished.add_metric([p.name, str(w.index)], n)
         for (model, reason), n in self._other().items():
             rejected.add_metric([model, reason], n)
-        yield from (depth, running, rejected, alive, ready, restarts)
+        yield from (depth, running, rejected, alive, ready, restarts, unfinished)
 
 
 class GatewayMetrics:

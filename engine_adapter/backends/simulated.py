@@ -110,7 +110,7 @@ class SimulatedEngine:
             raise EngineDead("simulated engine is dead")
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=len(self._running))
+        return EngineStats(running=len(self._running), unfinished=len(self._running))
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

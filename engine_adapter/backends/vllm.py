@@ -302,7 +302,11 @@ class VllmEngine:
             raise EngineDead(f"vLLM engine health check failed: {e}") from e
 
     def stats(self) -> EngineStats:
-        return self._last
+        """Scheduler figures from the last engine step; `unfinished` live."""
+        llm = self._llm
+        unfinished = llm.get_num_unfinished_requests() if llm is not None else 0
+        last = self._last
+        return EngineStats(last.running, last.waiting, last.kv_cache_usage, unfinished)
 
     def record_scheduler(self, running: int, waiting: int, kv: float) -> None:
         self._last = EngineStats(running=running, waiting=waiting, kv_cache_usage=kv)

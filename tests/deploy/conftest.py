@@ -93,7 +93,8 @@ def prometheus_factory(
 ) -> Iterator[Callable[..., tuple[subprocess.Popen[bytes], int]]]:
     """`start(config_text, files=None, name="prometheus") -> (Popen, port)`:
     a real Prometheus on 127.0.0.1 with its TSDB under tmp_path/name; stopped
-    with SIGTERM (then SIGKILL) at teardown."""
+    with SIGTERM (then SIGKILL) at teardown. `__PORT__` in the config text
+    becomes the port it listens on (to let it scrape itself)."""
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(
@@ -101,7 +102,7 @@ def prometheus_factory(
     ) -> tuple[subprocess.Popen[bytes], int]:
         port = deploy_services.free_port()
         proc = deploy_services.start_prometheus(
-            config_text, tmp_path / name, port, prometheus=prometheus_binary, files=files
+            config_text.replace("__PORT__", str(port)), tmp_path / name, port, prometheus=prometheus_binary, files=files
         )
         procs.append(proc)
         return proc, port

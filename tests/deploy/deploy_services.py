@@ -129,7 +129,7 @@ def prepare_nginx_conf(conf_text: str, prefix: Path) -> str:
         # Workers would run as `nobody`, which cannot read a 0700 pytest tmpdir.
         head.insert(0, "user root;")
     temp = "".join(f"    {d}_temp_path {prefix}/temp/{d};\n" for d in _TEMP_DIRS)
-    text, n = re.subn(r"^(\s*http\s*\{[ \t]*\n)", lambda m: m.group(1) + temp, text, count=1, flags=re.M)
+    text, n = re.subn(r"^(\s*http\s*\{)", lambda m: m.group(1) + "\n" + temp, text, count=1, flags=re.M)
     if n != 1:
         raise ValueError("no `http {` block found in the nginx config")
     return "\n".join(head) + "\n" + text
@@ -175,7 +175,7 @@ def nginx_check_config(conf_text: str, prefix: Path, nginx: str | None = None) -
 
 
 def _listen_port(conf_text: str) -> int:
-    m = re.search(r"^\s*listen\s+(?:[\w.\[\]:]*:)?(\d+)\b", conf_text, flags=re.M)
+    m = re.search(r"(?<![\w$])listen\s+(?:[\w.\[\]:]*:)?(\d+)\b", conf_text)
     if m is None:
         raise ValueError("no listen port in the nginx config")
     return int(m.group(1))

@@ -105,6 +105,14 @@ def metric_names_in_promql(expr: str) -> set[str]:
             i = m.end()
             j = _next_non_space(s, i)
             follows_paren = j < len(s) and s[j] == "("
+            if not follows_paren:
+                # `sum by (le) (...)`: an aggregation with its grouping first.
+                nxt = _IDENT.match(s, j)
+                if nxt is not None and nxt.group(0).lower() in ("by", "without"):
+                    k = _next_non_space(s, nxt.end())
+                    if k < len(s) and s[k] == "(":
+                        i = _skip_block(s, k, "(", ")")
+                        continue
             low = word.lower()
             if low in _LABEL_LIST_KEYWORDS:
                 if follows_paren:

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install the servers the end-to-end tests start themselves (nginx,
+# Prometheus/promtool). Needs root or sudo; skips what is already there.
+set -euo pipefail
+need=()
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx)
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+if [ ${#need[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  echo "[test-services] installing ${need[*]}"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${need[@]}"
+  # Debian starts them as services; the tests run their own on 127.0.0.1.
+  $SUDO systemctl stop nginx prometheus 2>/dev/null || true
+  $SUDO pkill -x nginx 2>/dev/null || true
+  $SUDO pkill -x prometheus 2>/dev/null || true
+fi

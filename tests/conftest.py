@@ -1,0 +1,37 @@
+"""Shared fixtures. The real vLLM engine starts once per test session (one
+gateway process serving the embedded generator and embedding models)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from support import GatewayProcess  # noqa: E402
+
+# Limits chosen so one shared engine serves every engine test: 8 running per
+# engine, 32 waiting; readiness probes off the hot path for exact counters.
+REAL_GATEWAY_ARGS = [
+    "--max-model-len", "2048",
+    "--max-num-seqs", "8",
+    "--max-queue-size", "32",
+    "--max-queue-wait", "120",
+    "--readiness-interval", "3600",
+    "--sse-keep-alive-interval", "2",
+    "--seed", "0",
+]
+
+
+@pytest.fixture(scope="session")
+def real_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    log = tmp_path_factory.mktemp("real-gateway") / "gateway.log"
+    gw = GatewayProcess(REAL_GATEWAY_ARGS, log)
+    try:
+        gw.wait_ready(timeout=420)
+        yield gw
+    finally:
+        gw.stop()

@@ -1,0 +1,215 @@
+"""WorkerPool on the simulated engine: admission, priorities, dispatch,
+deadlines, aborts, supervision, readiness and drain."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
+from engine_adapter.errors import EngineDead, QueueFull, QueueTimeout, RequestTimeout, ShuttingDown
+from engine_adapter.pool import WorkerPool
+from engine_adapter.types import EngineOutput, GenerationRequest, SamplingOptions
+
+
+def req(rid: str, max_tokens: int = 3, priority: int = 0, deadline: float | None = None) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=rid, model="m", prompt_token_ids=(5, 6, 7),
+        sampling=SamplingOptions(max_tokens=max_tokens), priority=priority, deadline=deadline,
+    )
+
+
+def make_pool(cfg: SimulatedConfig | None = None, **kw: object) -> tuple[WorkerPool, list[SimulatedEngine]]:
+    engines: list[SimulatedEngine] = []
+
+    def factory(i: int) -> SimulatedEngine:
+        e = SimulatedEngine(cfg or SimulatedConfig(itl=0.01))
+        engines.append(e)
+        return e
+
+    return WorkerPool("m", factory, **kw), engines  # type: ignore[arg-type]
+
+
+async def drain(pool: WorkerPool, r: GenerationRequest) -> list[EngineOutput]:
+    return [o async for o in pool.generate(r) if o is not None]
+
+
+@pytest.mark.asyncio
+async def test_generate_streams_all_tokens_and_finishes() -> None:
+    pool, _ = make_pool()
+    await pool.start()
+    outs = await drain(pool, req("a", max_tokens=4))
+    assert len(outs) == 4 and outs[-1].finish_reason == "length"
+    assert pool.running == 0 and pool.ready()
+    await pool.stop()
+
+
+@pytest.mark.asyncio
+async def test_full_queue_rejects_at_once() -> None:
+    pool, _ = make_pool(SimulatedConfig(itl=0.05), slots_per_worker=1, max_queue_size=1)
+    await pool.start()
+    first = asyncio.ensure_future(drain(pool, req("a", 10)))
+    await asyncio.sleep(0.01)
+    second = asyncio.ensure_future(drain(pool, req("b", 2)))
+    await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    with pytest.raises(QueueFull) as e:
+        await drain(pool, req("c"))
+    assert time.monotonic() - t0 < 0.05
+    assert e.value.status == 429 and e.value.retry_after
+    assert pool.counters.rejected["queue_full"] == 1
+    await asyncio.gather(first, second)
+    await pool.stop()
+
+
+@pytest.mark.asyncio
+async def test_queue_wait_times_out_without_reaching_engine() -> None:
+    pool, engines = make_pool(SimulatedConfig(itl=0.1), slots_per_worker=1, max_queue_wait=0.2)
+    await pool.start()
+    before = engines[0].prompt_tokens_total  # the start-up readiness probe
+    first = asyncio.ensure_future(drain(pool, req("a", 10)))
+    await asyncio.sleep(0.01)
+    with pytest.raises(QueueTimeout) as e:
+        await drain(pool, req("late"))
+    assert e.value.status == 503
+    assert pool.queue_depth == 0
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    # the timed-out request never reached the engine
+    assert engines[0].prompt_tokens_total == before + 3
+    await pool.stop()
+
+
+@pytest.mark.asyncio
+async def test_priority_order_then_arrival_order() -> None:
+    pool, _ = make_pool(SimulatedConfig(itl=0.01), slots_per_worker=1)
+    await pool.start()
+    order: list[str] = []
+
+    async def run(r: GenerationRequest) -> None:
+        async for _ in pool.generate(r):
+            pass
+        order.append(r.request_id)
+
+    blocker = asyncio.ensure_future(run(req("blocker", 5)))
+    await asyncio.sleep(0.005)
+    tasks = []
+    for rid, prio in [("low1", 5), ("high1", -1), ("low2", 5), ("mid", 0), ("high2", -1)]:
+        tasks.append(asyncio.ensure_future(run(req(rid, 1, prio))))
+        await asyncio.sleep(0.001)
+    assert pool.queue_depth == 5
+    assert pool.queue_depth_by_priority() == {5: 2, -1: 2, 0: 1}
+    await asyncio.gather(blocker, *tasks)
+    assert order == ["blocker", "high1", "high2", "mid", "low1", "low2"]
+    await pool.stop()
+
+
+@pytest.mark.asyncio
+async def test_least_loaded_dispatch_over_workers() -> None:
+    pool, engines = make_pool(SimulatedConfig(itl=0.02), num_workers=2, slots_per_worker=4)
+    await pool.start()
+    tasks = [asyncio.ensure_future(drain(pool, req(f"r{i}", 5))) for i in range(6)]
+    await asyncio.sleep(0.03)
+    assert sorted(w.in_flight for w in pool.workers) == [3, 3]
+    await asyncio.gather(*tasks)
+    assert [w.in_flight for w in pool.workers] == [0, 0]
+    assert all(e.generation_tokens_total > 0 for e in engines)
+    await pool.stop()
+
+
+@pytest.mark.asyncio
+async def test_consumer_cancel_aborts_engine_request() -> None:
+    pool, engines = make_pool(SimulatedConfig(itl=0.05))
+    await pool.start()
+    task = asyncio.ensure_future(drain(pool, req("gone", 100)))
+    await asyncio.sleep(0.12)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert "gone" in engines[0].aborted
+    assert engines[0].stats().unfinished == 0 and pool.running == 0
+    assert pool.workers[0].in_flight == 0
+    await pool.stop()
+
+
+@pytest.mark.asyncio
+async def test_deadline_aborts_and_says_why() -> None:
+    pool, engines = make_pool(SimulatedConfig(itl=0.05))
+    await pool.start()
+    with pytest.raises(RequestTimeout):
+        await drain(pool, req("slow", 100, deadline=time.monotonic() + 0.15))
+    assert "slow" in engines[0].aborted
+    await pool.stop()
+
+
+@pytest.mark.asyncio
+async def test_idle_ticks_while_engine_is_quiet() -> None:
+    pool, _ = make_pool(SimulatedConfig(ttft=0.25))
+    await pool.start()
+    items = [o async for o in pool.generate(req("k", 1), idle_tick=0.1)]
+    assert items.count(None) >= 2 and isinstance(items[-1], EngineOutput)
+    await pool.stop()
+
+
+@pytest.mark.asyncio
+async def test_dead_engine_fails_in_flight_and_restarts() -> None:
+    pool, engines = make_pool(SimulatedConfig(itl=0.02), restart_backoff=(0.01, 0.05))
+    await pool.start()
+    task = asyncio.ensure_future(drain(pool, req("victim", 100)))
+    await asyncio.sleep(0.05)
+    engines[0].kill()
+    with pytest.raises(EngineDead):
+        await task
+    for _ in range(100):
+        if pool.workers[0].restarts:
+            break
+        await asyncio.sleep(0.01)
+    assert pool.workers[0].restarts == 1 and len(engines) == 2
+    outs = await drain(pool, req("after", 2))
+    assert len(outs) == 2
+    await pool.stop()
+
+
+@pytest.mark.asyncio
+async def test_hung_engine_is_not_ready() -> None:
+    pool, _ = make_pool(SimulatedConfig(hang=True), readiness_interval=0.2)
+    await pool.start()  # the start probe times out: never ready
+    assert not pool.ready()
+    await pool.stop()
+
+
+@pytest.mark.asyncio
+async def test_ready_turns_false_when_engine_hangs_later() -> None:
+    pool, engines = make_pool(SimulatedConfig(), readiness_interval=0.3)
+    await pool.start()
+    assert pool.ready()
+    engines[0].config = SimulatedConfig(hang=True)
+    await asyncio.sleep(0.8)
+    assert not pool.ready()
+    await pool.stop()
+
+
+@pytest.mark.asyncio
+async def test_stop_drains_then_aborts_with_clean_errors() -> None:
+    pool, engines = make_pool(SimulatedConfig(itl=0.02), slots_per_worker=1)
+    await pool.start()
+    short = asyncio.ensure_future(drain(pool, req("short", 3)))
+    await asyncio.sleep(0.01)
+    queued = asyncio.ensure_future(drain(pool, req("queued", 3)))
+    await asyncio.sleep(0.01)
+    await pool.stop(timeout=1.0)
+    assert len(await short) == 3  # in-flight work finished
+    with pytest.raises(ShuttingDown):
+        await queued
+    with pytest.raises(ShuttingDown):
+        await drain(pool, req("new"))
+
+    pool2, engines2 = make_pool(SimulatedConfig(itl=0.05))
+    await pool2.start()
+    long = asyncio.ensure_future(drain(pool2, req("long", 1000)))
+    await asyncio.sleep(0.05)
+    await pool2.stop(timeout=0.1)
+    with pytest.raises(ShuttingDown):
+        await long
+    assert "long" in engines2[0].aborted
