@@ -3,15 +3,10 @@ gateway process serving the embedded generator and embedding models)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from support import GatewayProcess  # noqa: E402
+from support import GatewayProcess
 
 # Limits chosen so one shared engine serves every engine test: 8 running per
 # engine, 32 waiting; readiness probes off the hot path for exact counters.

@@ -1,0 +1,298 @@
+"""Protocol validation, error mapping, SSE framing, auth and limits through
+the real ASGI app on simulated engines."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import struct
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from sim_app import running_app
+
+from engine_adapter.backends.simulated import SimulatedConfig
+from server.settings import Settings
+
+CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict[str, object]:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert "Traceback" not in err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err  # type: ignore[no-any-return]
+
+
+@pytest.mark.asyncio
+async def test_chat_non_stream_shape(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["content"] == "The quick brown"
+    assert body["usage"]["completion_tokens"] == 3
+    assert r.headers["x-request-id"]
+
+
+@pytest.mark.asyncio
+async def test_request_id_is_echoed(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-ID": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+
+
+@pytest.mark.asyncio
+async def test_sse_framing_and_usage(client: httpx.AsyncClient) -> None:
+    body = {**CHAT, "stream": True, "n": 2, "stream_options": {"include_usage": True}}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["x-accel-buffering"] == "no"
+    events = [e for e in r.text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [orjson.loads(e[6:]) for e in events[:-1]]
+    finished = {c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]}
+    assert finished == {0, 1}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.asyncio
+async def test_aliases_and_models_list(client: httpx.AsyncClient) -> None:
+    data = (await client.get("/v1/models")).json()["data"]
+    by_id = {m["id"]: m for m in data}
+    assert by_id["sim-alias"]["parent"] == "sim" and by_id["sim"]["parent"] is None
+    assert by_id["sim"]["max_model_len"] == 256
+    r = await client.post("/v1/chat/completions", json={**CHAT, "model": "sim-alias"})
+    assert r.json()["model"] == "sim-alias"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({**CHAT, "temperature": -1}, "temperature"),
+        ({**CHAT, "temperature": "hot"}, "temperature"),
+        ({**CHAT, "n": 0}, "n"),
+        ({**CHAT, "n": 99}, "n"),
+        ({**CHAT, "max_tokens": -5}, "max_tokens"),
+        ({**CHAT, "max_tokens": 300}, "max_tokens"),
+        ({**CHAT, "messages": []}, "messages"),
+        ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({**CHAT, "messages": [{"role": "user"}]}, "messages[0]"),
+        ({**CHAT, "top_logprobs": 3}, None),
+        ({**CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"messages": CHAT["messages"]}, "model"),
+    ],
+)
+async def test_bad_input_400_with_param(client: httpx.AsyncClient, body: dict[str, object], param: str | None) -> None:
+    r = await client.post("/v1/chat/completions", json=body)
+    err = assert_openai_error(r, 400)
+    if param is not None:
+        assert err["param"] == param, err
+
+
+@pytest.mark.asyncio
+async def test_nan_and_invalid_json_and_utf8(client: httpx.AsyncClient) -> None:
+    h = {"content-type": "application/json"}
+    r = await client.post("/v1/chat/completions", content=b'{"model":"sim","messages":[{"role":"user","content":"x"}],"temperature":NaN}', headers=h)
+    assert_openai_error(r, 400)
+    r = await client.post("/v1/chat/completions", content=b"{not json", headers=h)
+    assert assert_openai_error(r, 400)["code"] == "invalid_json"
+    r = await client.post("/v1/chat/completions", content=b'{"model":"sim","messages":[{"role":"user","content":"\xff\xfe"}]}', headers=h)
+    assert_openai_error(r, 400)
+
+
+@pytest.mark.asyncio
+async def test_wrong_content_type_and_body_limit() -> None:
+    async with running_app(Settings(max_request_body_bytes=2048)) as (c, _):
+        r = await c.post("/v1/chat/completions", content=b"model=sim", headers={"content-type": "text/plain"})
+        assert_openai_error(r, 415)
+        big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
+        r = await c.post("/v1/chat/completions", json=big)
+        assert assert_openai_error(r, 413)["code"] == "request_too_large"
+
+
+@pytest.mark.asyncio
+async def test_unknown_fields_ignored_unknown_model_404_unknown_route(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/chat/completions", json={**CHAT, "some_future_field": {"x": 1}})
+    assert r.status_code == 200
+    err = assert_openai_error(await client.post("/v1/chat/completions", json={**CHAT, "model": "nope"}), 404, "model")
+    assert err["code"] == "model_not_found"
+    assert_openai_error(await client.get("/v1/nothing-here"), 404)
+
+
+@pytest.mark.asyncio
+async def test_wrong_model_kind(client: httpx.AsyncClient) -> None:
+    assert_openai_error(await client.post("/v1/chat/completions", json={**CHAT, "model": "emb"}), 400, "model")
+    assert_openai_error(await client.post("/v1/embeddings", json={"model": "sim", "input": "x"}), 400, "model")
+
+
+@pytest.mark.asyncio
+async def test_embeddings_float_base64_and_dimensions(client: httpx.AsyncClient) -> None:
+    r = (await client.post("/v1/embeddings", json={"model": "emb", "input": ["a", "b"]})).json()
+    assert [d["index"] for d in r["data"]] == [0, 1] and len(r["data"][0]["embedding"]) == 8
+    b = (await client.post("/v1/embeddings", json={"model": "emb", "input": ["a", "b"], "encoding_format": "base64"})).json()
+    raw = base64.b64decode(b["data"][0]["embedding"])
+    assert list(struct.unpack("<8f", raw)) == pytest.approx(r["data"][0]["embedding"], rel=1e-6)
+    r2 = await client.post("/v1/embeddings", json={"model": "emb", "input": "a", "dimensions": 4})
+    assert_openai_error(r2, 400, "dimensions")
+
+
+@pytest.mark.asyncio
+async def test_tokenize_detokenize_roundtrip(client: httpx.AsyncClient) -> None:
+    t = (await client.post("/tokenize", json={"model": "sim", "prompt": "héllo", "add_special_tokens": False})).json()
+    assert t["count"] == len("héllo".encode()) and t["max_model_len"] == 256
+    d = (await client.post("/detokenize", json={"model": "sim", "tokens": t["tokens"]})).json()
+    assert d["prompt"] == "héllo"
+    assert (await client.get("/version")).json()["version"]
+
+
+@pytest.mark.asyncio
+async def test_api_keys_headers_and_401(tmp_path: Path) -> None:
+    async with running_app(Settings(api_key=["sk-one"])) as (c, _):
+        assert_openai_error(await c.post("/v1/chat/completions", json=CHAT), 401)
+        assert_openai_error(await c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer bad"}), 401)
+        for h in ({"Authorization": "Bearer sk-one"}, {"api-key": "sk-one"}, {"x-api-key": "sk-one"}):
+            assert (await c.post("/v1/chat/completions", json=CHAT, headers=h)).status_code == 200
+        assert_openai_error(await c.get("/v1/models"), 401)
+        assert_openai_error(await c.post("/tokenize", json={"prompt": "x"}), 401)
+        assert_openai_error(await c.post("/start_profile"), 401)
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/metrics")).status_code == 200
+
+
+def _keys_file(tmp_path: Path, **limits: object) -> Path:
+    entry = {"name": "team-a", "sha256": hashlib.sha256(b"sk-team-a").hexdigest(), **limits}
+    p = tmp_path / "keys.yaml"
+    import yaml
+
+    p.write_text(yaml.safe_dump({"keys": [entry]}))
+    return p
+
+
+@pytest.mark.asyncio
+async def test_keys_file_model_allow_list(tmp_path: Path) -> None:
+    s = Settings(api_keys_file=_keys_file(tmp_path, models=["sim"]))
+    h = {"Authorization": "Bearer sk-team-a"}
+    async with running_app(s) as (c, _):
+        assert (await c.post("/v1/chat/completions", json=CHAT, headers=h)).status_code == 200
+        assert_openai_error(await c.post("/v1/chat/completions", json={**CHAT, "model": "sim-alias"}, headers=h), 403)
+        assert_openai_error(await c.post("/v1/chat/completions", json={**CHAT, "model": "zzz"}, headers=h), 404)
+
+
+@pytest.mark.asyncio
+async def test_requests_per_minute_limit_and_headers(tmp_path: Path) -> None:
+    s = Settings(api_keys_file=_keys_file(tmp_path, requests_per_minute=2, tokens_per_minute=10_000))
+    h = {"Authorization": "Bearer sk-team-a"}
+    async with running_app(s) as (c, app):
+        r1 = await c.post("/v1/chat/completions", json=CHAT, headers=h)
+        assert r1.headers["x-ratelimit-limit-requests"] == "2"
+        assert r1.headers["x-ratelimit-remaining-requests"] == "1"
+        assert r1.headers["x-ratelimit-limit-tokens"] == "10000"
+        assert int(r1.headers["x-ratelimit-remaining-tokens"]) < 10_000
+        assert "x-ratelimit-reset-requests" in r1.headers and "x-ratelimit-reset-tokens" in r1.headers
+        await c.post("/v1/chat/completions", json=CHAT, headers=h)
+        r3 = await c.post("/v1/chat/completions", json=CHAT, headers=h)
+        assert_openai_error(r3, 429)
+        assert int(r3.headers["retry-after"]) >= 1
+        assert r3.headers["x-ratelimit-remaining-requests"] == "0"
+        metrics = (await c.get("/metrics")).text
+        assert 'npugw_api_key_requests_total{api_key_name="team-a",model_name="sim"} 2.0' in metrics
+        assert "sk-team-a" not in metrics
+
+
+@pytest.mark.asyncio
+async def test_tokens_per_minute_and_concurrency_limits(tmp_path: Path) -> None:
+    s = Settings(api_keys_file=_keys_file(tmp_path, tokens_per_minute=100))
+    h = {"Authorization": "Bearer sk-team-a"}
+    async with running_app(s) as (c, _):
+        err = assert_openai_error(await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 200}, headers=h), 429)
+        assert "tokens per minute" in str(err["message"])
+    s = Settings(api_keys_file=_keys_file(tmp_path, max_concurrent=1))
+    async with running_app(s, sim=SimulatedConfig(itl=0.05, max_model_len=256)) as (c, _):
+        slow = asyncio.ensure_future(c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 10}, headers=h))
+        await asyncio.sleep(0.1)
+        assert_openai_error(await c.post("/v1/chat/completions", json=CHAT, headers=h), 429)
+        assert (await slow).status_code == 200
+
+
+@pytest.mark.asyncio
+async def test_key_default_priority_is_used(tmp_path: Path) -> None:
+    s = Settings(api_keys_file=_keys_file(tmp_path, priority=-5))
+    async with running_app(s) as (c, app):
+        gw = app.state.gateway
+        seen: list[int] = []
+        engine = gw.pools[0].workers[0].engine
+        original = engine.generate
+
+        def spy(req):  # type: ignore[no-untyped-def]
+            seen.append(req.priority)
+            return original(req)
+
+        engine.generate = spy
+        h = {"Authorization": "Bearer sk-team-a"}
+        await c.post("/v1/chat/completions", json=CHAT, headers=h)
+        await c.post("/v1/chat/completions", json={**CHAT, "priority": 3}, headers=h)
+        assert seen == [-5, 3]
+
+
+@pytest.mark.asyncio
+async def test_queue_full_429_and_timeout_503_over_http() -> None:
+    sim = SimulatedConfig(itl=0.05, max_model_len=256)
+    async with running_app(sim=sim, slots=1, max_queue_size=1, max_queue_wait=0.3) as (c, _):
+        slow = asyncio.ensure_future(c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 20}))
+        await asyncio.sleep(0.05)
+        waiting = asyncio.ensure_future(c.post("/v1/chat/completions", json=CHAT))
+        await asyncio.sleep(0.05)
+        full = await c.post("/v1/chat/completions", json=CHAT)
+        assert assert_openai_error(full, 429)["code"] == "queue_full"
+        assert full.headers["retry-after"] == "1"
+        timed_out = await waiting
+        assert assert_openai_error(timed_out, 503)["code"] == "queue_timeout"
+        assert (await slow).status_code == 200
+        text = (await c.get("/metrics")).text
+        assert 'npugw_admission_rejections_total{model_name="sim",reason="queue_full"} 1.0' in text
+        assert 'npugw_admission_rejections_total{model_name="sim",reason="queue_timeout"} 1.0' in text
+
+
+@pytest.mark.asyncio
+async def test_request_timeout_in_stream_gives_error_event_then_done() -> None:
+    sim = SimulatedConfig(itl=0.05, max_model_len=256)
+    async with running_app(Settings(request_timeout=0.2), sim=sim) as (c, _):
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 100, "stream": True})
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        err = orjson.loads(events[-2][6:])["error"]
+        assert err["code"] == "request_timeout"
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 100})
+        assert_openai_error(r, 504)
+        assert c.engines[0].stats().unfinished == 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.asyncio
+async def test_keep_alive_comments_on_a_quiet_stream() -> None:
+    sim = SimulatedConfig(ttft=0.5, max_model_len=256)
+    async with running_app(Settings(sse_keep_alive_interval=0.1), sim=sim) as (c, _):
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1, "stream": True})
+        assert r.text.count(": keep-alive\n\n") >= 3
+        assert r.text.endswith("data: [DONE]\n\n")
+
+
+@pytest.mark.asyncio
+async def test_ready_reflects_draining(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/ready")).status_code == 200
+    transport = client._transport
+    app = transport.app  # type: ignore[attr-defined]
+    app.state.gateway.begin_drain()
+    r = await client.get("/ready")
+    assert r.status_code == 503 and r.json()["status"] == "draining"
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    assert assert_openai_error(r, 503)["code"] == "shutting_down"
+    assert r.headers["retry-after"]

@@ -1,0 +1,48 @@
+"""The real ASGI app in process, on simulated engines (fast)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+
+from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
+from engine_adapter.pool import WorkerPool
+from server.app import create_app
+from server.settings import Settings
+
+AppFactory = Callable[..., Any]
+
+
+@asynccontextmanager
+async def running_app(
+    settings: Settings | None = None,
+    sim: SimulatedConfig | None = None,
+    embed: bool = True,
+    slots: int = 64,
+    **pool_kw: Any,
+) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    settings = settings or Settings()
+    engines: list[SimulatedEngine] = []
+
+    def factory(cfg: SimulatedConfig) -> Callable[[int], SimulatedEngine]:
+        def make(i: int) -> SimulatedEngine:
+            e = SimulatedEngine(cfg, name="sim")
+            engines.append(e)
+            return e
+
+        return make
+
+    cfg = sim or SimulatedConfig(max_model_len=256)
+    pools = [(WorkerPool("sim", factory(cfg), slots_per_worker=slots, **pool_kw), ("sim", "sim-alias"), "sim")]
+    if embed:
+        ecfg = SimulatedConfig(kind="embed", max_model_len=64, embedding_dim=8)
+        pools.append((WorkerPool("emb", factory(ecfg)), ("emb",), "emb"))
+    app = create_app(settings, pools=pools)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            client.engines = engines  # type: ignore[attr-defined]
+            yield client, app
