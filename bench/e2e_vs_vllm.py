@@ -25,6 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     BENCH,
+    undisturbed,
     GATEWAY,
     MAIN_PY,
     MODEL_DIR,
@@ -169,7 +170,9 @@ def main() -> None:
     ap.add_argument("--cpu-bind", default=None)
     ap.add_argument("--ready-timeout", type=float, default=300)
     ap.add_argument("--run-timeout", type=float, default=400)
-    ap.add_argument("--max-load", type=float, default=1.5)
+    ap.add_argument("--max-load", type=float, default=1.5, help="> 50: never wait for a quiet machine")
+    ap.add_argument("--max-foreign", type=float, default=0.15, help="cores other jobs may use during a run")
+    ap.add_argument("--retries", type=int, default=2, help="repeats of a disturbed run")
     ap.add_argument("--profile", action="store_true", help="py-spy our gateway during the c=16 run (round 1)")
     ap.add_argument("--profile-conc", type=int, default=16)
     ap.add_argument("--profile-prompts", type=int, default=64)
@@ -189,8 +192,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         order = list(args.servers) if rnd % 2 == 0 else list(reversed(args.servers))
         for kind in order:
-            if args.device == "cpu":
-                wait_for_quiet(args.max_load)
+            wait_for_quiet(args.max_load)
             port = free_port()
             srv = make_server(kind, args, port, f"r{rnd}")
             print(f"[round {rnd + 1}/{args.rounds}] starting {kind} on :{port}", flush=True)
@@ -201,12 +203,14 @@ def main() -> None:
             try:
                 warm_up(port, args.served_name)
                 for c in args.concurrency:
-                    row = bench_serve(args, port, c, out_dir, f"{args.name}-{kind}-r{rnd}-c{c}.json")
+                    row = undisturbed(args, [srv.pid], lambda c=c: bench_serve(
+                        args, port, c, out_dir, f"{args.name}-{kind}-r{rnd}-c{c}.json"))
                     row.update(server=kind, round=rnd, concurrency=c)
                     runs.append(row)
                     print(f"  c={c:<3} {row['output_tok_s']:.1f} tok/s  {row['req_s']:.2f} req/s  "
                           f"TTFT p50 {row['ttft_p50_ms']:.0f} ms  ITL p50 {row['itl_p50_ms']:.1f} ms  "
-                          f"failed {row['failed']}  ({row['wall_s']}s)", flush=True)
+                          f"failed {row['failed']}  ({row['wall_s']}s, foreign CPU {row['foreign_cores']:.2f})",
+                          flush=True)
                 if args.profile and kind == "ours" and rnd == 0:
                     # an extra, unmeasured run under py-spy (its sampling is not in the numbers above)
                     c = args.profile_conc

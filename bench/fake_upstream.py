@@ -245,7 +245,7 @@ def main() -> None:
     if not args.host.startswith("127.") and args.host not in ("localhost", "::1"):
         raise SystemExit("fake_upstream serves on loopback only")
     MODELS = orjson.dumps({"object": "list", "data": [
-        {"id": args.model, "object": "model", "created": _CREATED, "owned_by": "fake"}]})
+        {"id": args.model, "object": "model", "created": _CREATED, "owned_by": "fake", "max_model_len": 4096}]})
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

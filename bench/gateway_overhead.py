@@ -37,6 +37,7 @@ from _common import (  # noqa: E402
     PEERS_PY,
     RESULTS,
     Server,
+    add_quiet_args,
     free_port,
     machine_info,
     median,
@@ -44,6 +45,7 @@ from _common import (  # noqa: E402
     save_json,
     table,
     tree_cpu,
+    undisturbed,
     versions,
     wait_for_quiet,
 )
@@ -78,7 +80,11 @@ def make_target(kind: str, port: int, upstream: str, tmp: Path, args: argparse.N
     if kind == "direct":
         return None
     if kind == "ours":
-        argv = [str(GATEWAY), "serve", "--upstream", f"{MODEL}={upstream}", "--embedding-model", "none",
+        # the byte tokenizer: the fake upstream ignores the prompt, and the embedded
+        # model's tokenizer would add its own cost (set --ours-tokenizer to compare)
+        spec = f"{MODEL}={upstream};tokenizer={args.ours_tokenizer}"
+        # --backend simulated: the local model is a cheap simulated one, so no vLLM engine starts
+        argv = [str(GATEWAY), "serve", "--backend", "simulated", "--upstream", spec, "--embedding-model", "none",
                 "--port", str(port), "--log-level", "warning", *args.ours_extra.split()]
         return Server("overhead-ours", argv, f"http://127.0.0.1:{port}/health", ready_timeout=60)
     if kind == "litellm":
@@ -162,7 +168,9 @@ def main() -> None:
     ap.add_argument("--load-seconds", type=float, default=8.0, help="c=64 runs")
     ap.add_argument("--high-concurrency", type=int, default=64)
     ap.add_argument("--ours-extra", default="", help="extra flags for npu-gateway serve")
-    ap.add_argument("--max-load", type=float, default=1.5)
+    ap.add_argument("--ours-tokenizer", default="simulated",
+                    help="tokenizer of the gateway's remote model: simulated (byte) or a folder")
+    add_quiet_args(ap)
     ap.add_argument("--name", default="gateway_overhead")
     args = ap.parse_args()
     if "ours" in args.targets and not REMOTE_BACKEND.exists():
@@ -194,11 +202,12 @@ def main() -> None:
                     wait_post_ok(url, srv)
                     pid = srv.pid if srv is not None else up.pid
                     wrk(url, 8, 1, pid)  # warm-up
+                    pids = [pid, up.pid] if pid != up.pid else [pid]
                     res = {
-                        "ns_c1": wrk(url, 1, args.latency_seconds, pid),
-                        "ns_c64": wrk(url, hc, args.load_seconds, pid),
-                        "st_c1": streams(url, 1, args.latency_seconds, pid),
-                        "st_c64": streams(url, hc, args.load_seconds, pid),
+                        "ns_c1": undisturbed(args, pids, lambda: wrk(url, 1, args.latency_seconds, pid)),
+                        "ns_c64": undisturbed(args, pids, lambda: wrk(url, hc, args.load_seconds, pid)),
+                        "st_c1": undisturbed(args, pids, lambda: streams(url, 1, args.latency_seconds, pid)),
+                        "st_c64": undisturbed(args, pids, lambda: streams(url, hc, args.load_seconds, pid)),
                     }
                     if srv is not None:
                         res["start_s"] = srv.start_s

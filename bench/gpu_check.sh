@@ -70,7 +70,7 @@ EOF
 # ---------------------------------------------------------------- model folder
 TOK_SRC="${TOKENIZER_DIR:-$HOME/.cache/npu-gateway/SmolLM2-135M-Instruct-bf16-v1}"
 if [[ ! -f "$TOK_SRC/tokenizer.json" ]]; then
-  TOK_SRC="$HERE/gpu_tokenizer"   # the SmolLM2 tokenizer files, copied into the repo for GPU boxes
+  TOK_SRC="$HERE/wheels/tokenizer"   # copied there by bench/gpu_wheels.sh
 fi
 MODEL_DIR="$(mktemp -d /tmp/gpu-check-model.XXXXXX)"
 trap 'rm -rf "$MODEL_DIR"' EXIT

@@ -36,6 +36,7 @@ from _common import (  # noqa: E402
     MAIN_PY,
     RESULTS,
     Server,
+    add_quiet_args,
     free_port,
     machine_info,
     plot,
@@ -43,6 +44,7 @@ from _common import (  # noqa: E402
     pyspy_start,
     save_json,
     table,
+    undisturbed,
     versions,
     wait_for_quiet,
 )
@@ -76,7 +78,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="py-spy the gateway during an extra c=500 run")
     ap.add_argument("--profile-conc", type=int, default=500)
     ap.add_argument("--profile-seconds", type=int, default=20)
-    ap.add_argument("--max-load", type=float, default=1.5)
+    add_quiet_args(ap)
     ap.add_argument("--name", default="scale")
     args = ap.parse_args()
     extra = args.gw_extra.split()
@@ -90,9 +92,10 @@ def main() -> None:
         loadgen("--url", url, "--model", "simulated", "--stream", "--concurrency", 8, "--duration", 2,
                 "--warmup", 0.5, "--max-tokens", args.max_tokens)
         for c in args.levels:
-            r = loadgen("--url", url, "--model", "simulated", "--stream", "--concurrency", c,
-                        "--duration", args.duration, "--warmup", args.warmup, "--max-tokens", args.max_tokens,
-                        "--measure-pid", srv.pid, "--timeout", 120)
+            r = undisturbed(args, [srv.pid], lambda c=c: loadgen(
+                "--url", url, "--model", "simulated", "--stream", "--concurrency", c, "--duration", args.duration,
+                "--warmup", args.warmup, "--max-tokens", args.max_tokens, "--measure-pid", srv.pid,
+                "--timeout", 120))
             tokens = r["ok"] * args.max_tokens
             ideal = c / (args.ttft + (args.max_tokens - 1) * args.itl)
             row = {
@@ -105,6 +108,7 @@ def main() -> None:
                 "gw_cpu_ms_per_request": 1e3 * r["server_cpu_s"] / r["ok"] if r["ok"] else None,
                 "gw_rss_mb": r.get("server_rss_mb"),
                 "client_cpu_util": r.get("client_cpu_util"),
+                "foreign_cores": r["foreign_cores"], "disturbed": r["disturbed"],
                 "raw": r,
             }
             levels.append(row)
@@ -131,8 +135,9 @@ def main() -> None:
             # touch every code path once so lazy imports and caches are not counted
             loadgen("--url", f"http://127.0.0.1:{port}/v1/chat/completions", "--model", "simulated", "--hold", 8,
                     "--stream", "--duration", 30, "--settle", 0.5)
-            m = loadgen("--url", f"http://127.0.0.1:{port}/v1/chat/completions", "--model", "simulated",
-                        "--hold", n, "--stream", "--duration", 120, "--settle", 2, "--measure-pid", srv.pid)
+            m = undisturbed(args, [srv.pid], lambda n=n, port=port, srv=srv: loadgen(
+                "--url", f"http://127.0.0.1:{port}/v1/chat/completions", "--model", "simulated",
+                "--hold", n, "--stream", "--duration", 120, "--settle", 2, "--measure-pid", srv.pid))
             memory.append(m)
             print(f"idle streams {m['opened']}/{n}: RSS {m['rss_before_mb']:.1f} -> {m['rss_open_mb']:.1f} MB "
                   f"= {m['rss_per_stream_kb']:.1f} KiB per stream (after close {m['rss_after_close_mb']:.1f} MB)",

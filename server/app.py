@@ -18,7 +18,7 @@ from server.errors import install_error_handlers
 from server.limits import Limits
 from server.metrics import GatewayMetrics, PoolCollector
 from server.middleware import GatewayMiddleware
-from server.routes import admin, chat, completions, embeddings, health, models, tokenize
+from server.routes import admin, chat, completions, embeddings, health, models, routing_admin, tokenize
 from server.settings import Settings
 from server.state import Gateway
 
@@ -62,10 +62,12 @@ def create_app(
 
         try:
             await asyncio.gather(*(start(p) for p in gw.pools))
+            routing_admin.start_routing(app, gw)  # aliases and fallbacks over started pools; SIGHUP reloads
             monitor = await start_device_monitor(settings, registry)
             logger.info("serving %s", ", ".join(gw.models))
             yield
         finally:
+            routing_admin.stop_routing(app)
             gw.draining = True
             await asyncio.gather(*(p.stop(settings.shutdown_timeout) for p in started))
             if monitor is not None:
@@ -86,5 +88,6 @@ def create_app(
     install_error_handlers(app)
     for r in (chat, completions, embeddings, models, tokenize, health, admin):
         app.include_router(r.router)
+    routing_admin.setup_routing(app, registry)  # /admin/routes, served-by header, upstream metrics
     app.add_middleware(GatewayMiddleware, metrics=gw_metrics, max_body=settings.max_request_body_bytes)
     return app

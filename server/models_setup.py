@@ -12,6 +12,8 @@ from engine_adapter.metrics import EngineMetrics
 from engine_adapter.model import EMBEDDED_EMBEDDING_NAME, EMBEDDED_MODEL_NAME, resolve_model
 from engine_adapter.pool import WorkerPool
 from engine_adapter.registry import ModelSpec, build_pool
+from engine_adapter.routing import CanaryPolicy, RouteSpec, RoutingMetrics, RoutingTable, route_specs
+from engine_adapter.routing.upstream import UpstreamConfig, parse_upstream
 from server.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -86,12 +88,70 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
     return specs
 
 
+def upstream_configs(settings: Settings) -> list[UpstreamConfig]:
+    s = settings
+    tokenizers = dict(t.split("=", 1) for t in s.upstream_tokenizer)
+    out = []
+    for spec in s.upstream:
+        cfg = parse_upstream(
+            spec, connect_timeout=s.upstream_connect_timeout, read_timeout=s.upstream_read_timeout,
+            health_interval=s.upstream_health_interval, eject_after=s.upstream_eject_after,
+            cooldown=s.upstream_cooldown,
+        )
+        if cfg.tokenizer is None and cfg.name in tokenizers:
+            cfg = replace(cfg, tokenizer=tokenizers[cfg.name])
+        out.append(cfg)
+    unknown = set(tokenizers) - {c.name for c in out}
+    if unknown:
+        raise ValueError(f"--upstream-tokenizer names no upstream: {', '.join(sorted(unknown))}")
+    return out
+
+
+def build_remote_pools(settings: Settings) -> list[tuple[WorkerPool, tuple[str, ...], str]]:
+    """One pool per upstream: its slots bound the requests in flight to it."""
+    from engine_adapter.backends.remote import build_remote_pool
+
+    s = settings
+    out: list[tuple[WorkerPool, tuple[str, ...], str]] = []
+    for cfg in upstream_configs(s):
+        pool = build_remote_pool(
+            cfg, slots_per_worker=s.max_num_seqs, max_queue_size=s.max_queue_size,
+            max_queue_wait=s.max_queue_wait, readiness_interval=s.readiness_interval,
+        )
+        out.append((pool, (cfg.name,), ",".join(cfg.urls)))
+    return out
+
+
 def build_served_pools(
     settings: Settings, metrics: EngineMetrics
 ) -> list[tuple[WorkerPool, tuple[str, ...], str]]:
     device = device_for(settings)
     logger.info("device: %s (backend %s)", device, settings.backend)
-    return [(build_pool(spec, device, metrics), spec.names, spec.root) for spec in model_specs(settings)]
+    local = [(build_pool(spec, device, metrics), spec.names, spec.root) for spec in model_specs(settings)]
+    return local + build_remote_pools(settings)
 
 
-__all__ = ["EMBEDDED_MODEL_NAME", "build_served_pools", "device_for", "model_specs"]
+def canary_policy(settings: Settings) -> CanaryPolicy:
+    return CanaryPolicy(
+        window=settings.canary_window,
+        min_requests=settings.canary_min_requests,
+        max_error_rate=settings.canary_max_error_rate,
+        max_ttft_p95=settings.canary_max_ttft_p95,
+    )
+
+
+def routes_from(settings: Settings) -> dict[str, RouteSpec]:
+    return route_specs(settings.alias, settings.fallback)
+
+
+def build_routing(settings: Settings, pools: dict[str, WorkerPool], metrics: RoutingMetrics) -> RoutingTable:
+    """The routing table over the served models (`pools`: served name -> pool)."""
+    table = RoutingTable(pools, policy=canary_policy(settings), metrics=metrics)
+    table.apply(routes_from(settings))
+    return table
+
+
+__all__ = [
+    "EMBEDDED_MODEL_NAME", "build_remote_pools", "build_routing", "build_served_pools", "device_for",
+    "model_specs", "routes_from", "upstream_configs",
+]

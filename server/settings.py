@@ -9,15 +9,20 @@ from __future__ import annotations
 import argparse
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
 )
+
+# `NAME=...` lists: repeatable flags, a YAML list or mapping, or one
+# whitespace-separated environment variable (NPUGW_UPSTREAM="a=http://x b=http://y").
+Entries = Annotated[list[str], NoDecode]
 
 
 class Settings(BaseSettings):
@@ -73,6 +78,35 @@ class Settings(BaseSettings):
     # --- simulated backend ---
     simulated_ttft: float = Field(0.0, ge=0, description="simulated time to first token")
     simulated_itl: float = Field(0.0, ge=0, description="simulated inter-token delay")
+    # --- remote upstreams (the remote backend) ---
+    upstream: Entries = Field(
+        default_factory=list,
+        description="remote model NAME=URL[,URL...][;option=value...] (repeatable); options: model, tokenizer, "
+        "connect_timeout, read_timeout, health_interval, eject_after, cooldown, max_model_len, api_key_env",
+    )
+    upstream_tokenizer: Entries = Field(
+        default_factory=list,
+        description="NAME=PATH: tokenizer folder of a remote model ('simulated': byte tokenizer; "
+        "default: the embedded model's)",
+    )
+    upstream_connect_timeout: float = Field(2.0, gt=0, description="seconds to connect to an upstream")
+    upstream_read_timeout: float = Field(
+        30.0, gt=0, description="seconds an upstream may stay silent (before its headers, between chunks)"
+    )
+    upstream_health_interval: float = Field(5.0, gt=0, description="seconds between upstream health checks")
+    upstream_eject_after: int = Field(3, ge=1, description="failures in a row that eject an upstream URL")
+    upstream_cooldown: float = Field(10.0, gt=0, description="seconds an ejected upstream URL waits for a trial")
+    # --- routing: aliases, canaries, fallbacks ---
+    alias: Entries = Field(
+        default_factory=list, description="ALIAS=TARGET:WEIGHT[,TARGET:WEIGHT...] weighted alias (repeatable)"
+    )
+    fallback: Entries = Field(
+        default_factory=list, description="NAME=FIRST[,SECOND...] ordered fallback targets (repeatable)"
+    )
+    canary_window: float = Field(60.0, gt=0, description="seconds of the canary rollback window")
+    canary_min_requests: int = Field(20, ge=1, description="requests in the window before a canary is judged")
+    canary_max_error_rate: float | None = Field(0.5, ge=0, le=1, description="roll a canary back above this")
+    canary_max_ttft_p95: float | None = Field(None, gt=0, description="roll a canary back above this TTFT p95 (s)")
 
     @field_validator("served_model_name", "embedding_served_model_name", "api_key", mode="before")
     @classmethod
@@ -80,6 +114,27 @@ class Settings(BaseSettings):
         if isinstance(v, str):
             return [s for s in (p.strip() for p in v.split(",")) if s]
         return v
+
+    @field_validator("upstream", "upstream_tokenizer", "alias", "fallback", mode="before")
+    @classmethod
+    def _entries(cls, v: Any) -> Any:
+        from engine_adapter.routing.spec import entries
+
+        return entries(v)
+
+    @model_validator(mode="after")
+    def _routes(self) -> Settings:
+        from engine_adapter.routing.spec import route_specs
+        from engine_adapter.routing.upstream import parse_upstream
+
+        names = [parse_upstream(u).name for u in self.upstream]
+        if len(set(names)) != len(names):
+            raise ValueError("an upstream name is given twice")
+        for t in self.upstream_tokenizer:
+            if "=" not in t:
+                raise ValueError(f"upstream tokenizer {t!r}: expected NAME=PATH")
+        route_specs(self.alias, self.fallback)
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from engine_adapter.errors import InvalidRequest, ModelNotFound
 from engine_adapter.pool import WorkerPool
+from engine_adapter.routing import ROUTE_CONTEXT, Router, RoutingTable, ServedPool
 from server.settings import Settings
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class ServedModel:
     id: str
-    pool: WorkerPool
+    pool: ServedPool  # a WorkerPool, or a Router for aliases and names with fallbacks
     root: str
     parent: str | None = None  # set for aliases: the model id they point to
     created: int = field(default_factory=lambda: int(time.time()))
@@ -40,9 +41,35 @@ class Gateway:
                 self.models[name] = ServedModel(
                     id=name, pool=pool, root=root, parent=None if i == 0 else primary
                 )
+        self.base_models = dict(self.models)  # the real models, without routing
+        self.routing: RoutingTable | None = None
         self.draining = False
         self.started_at = time.time()
         self.limits: Limits
+
+    def served_pools(self) -> dict[str, WorkerPool]:
+        """Served name -> pool of every real model (the targets aliases may use)."""
+        return {name: m.pool for name, m in self.base_models.items() if isinstance(m.pool, WorkerPool)}
+
+    def install_routing(self, table: RoutingTable) -> None:
+        self.routing = table
+        self.sync_routes()
+
+    def sync_routes(self) -> None:
+        """Serve each alias of the routing table through its Router (after
+        the table changed). One dict swap: requests in flight are unaffected."""
+        models = dict(self.base_models)
+        for name, router in (self.routing.routers if self.routing else {}).items():
+            base = self.base_models.get(name)
+            primary = router.primary.name
+            models[name] = ServedModel(
+                id=name,
+                pool=router,
+                root=self.base_models[primary].root,
+                parent=primary if primary != name else (base.parent if base else None),
+                created=base.created if base else router.created,
+            )
+        self.models = models
 
     def begin_drain(self) -> None:
         """SIGTERM: /ready fails at once; new requests get 503 + Retry-After."""
@@ -59,6 +86,10 @@ class Gateway:
         model = self.models.get(name)
         if model is None:
             raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
+        if isinstance(model.pool, Router):
+            ctx = ROUTE_CONTEXT.get()
+            if ctx is not None:
+                ctx.routed = True
         if model.kind != kind:
             what = "an embedding" if model.kind == "embed" else "a generation"
             raise InvalidRequest(

@@ -70,6 +70,11 @@ def hadolint_binary() -> str:
     return _binary("hadolint")
 
 
+@pytest.fixture(scope="session")
+def shellcheck_binary() -> str:
+    return _binary("shellcheck")
+
+
 @pytest.fixture
 def nginx_factory(nginx_binary: str, tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     """`start(conf_text, name="nginx") -> Popen`: a real nginx on 127.0.0.1

