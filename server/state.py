@@ -28,6 +28,12 @@ class ServedModel:
     def kind(self) -> str:
         return self.pool.card.kind
 
+    def served_by(self) -> str:
+        """The model that answers the current request: the target a router
+        chose (once generation started), else this model's id."""
+        ctx = ROUTE_CONTEXT.get()
+        return ctx.served_by if ctx is not None and ctx.served_by else self.id
+
 
 class Gateway:
     def __init__(self, settings: Settings, pools: list[tuple[WorkerPool, tuple[str, ...], str]]) -> None:

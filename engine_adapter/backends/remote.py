@@ -348,3 +348,9 @@ def build_remote_pool(cfg: UpstreamConfig, tokenizer: Tokenizer | None = None, *
 
 
 
+
+
+def is_remote(pool: WorkerPool) -> bool:
+    """Whether the pool's engines are upstreams (for /ready: a dead upstream
+    must not take the whole gateway out of its load balancer)."""
+    return any(isinstance(w.engine, RemoteEngine) for w in pool.workers)

@@ -11,12 +11,13 @@ from starlette.responses import Response
 from engine_adapter.errors import AuthenticationError, InvalidRequest
 from server.auth import KeyStore, Principal, key_from_headers, require_admin
 from server.deps import GatewayDep
+from server.routes.docs import ERRORS, TEXT
 
 router = APIRouter()
 AdminDep = Annotated[Principal, Depends(require_admin)]
 
 
-@router.get("/metrics", tags=["ops"])
+@router.get("/metrics", tags=["ops"], responses=TEXT, response_class=Response)
 async def metrics(request: Request) -> Response:
     keys: KeyStore = request.app.state.keys
     if not keys.metrics_allowed(key_from_headers(request)):
@@ -37,13 +38,13 @@ async def _each_engine(gw: Any, method: str) -> int:
     return n
 
 
-@router.post("/start_profile", tags=["admin"])
+@router.post("/start_profile", tags=["admin"], responses=ERRORS)
 async def start_profile(gw: GatewayDep, admin: AdminDep) -> dict[str, Any]:
     n = await _each_engine(gw, "start_profile")
     return {"status": "profiling", "engines": n, "profile_dir": str(gw.settings.profile_dir)}
 
 
-@router.post("/stop_profile", tags=["admin"])
+@router.post("/stop_profile", tags=["admin"], responses=ERRORS)
 async def stop_profile(gw: GatewayDep, admin: AdminDep) -> dict[str, Any]:
     n = await _each_engine(gw, "stop_profile")
     return {"status": "stopped", "engines": n, "profile_dir": str(gw.settings.profile_dir)}

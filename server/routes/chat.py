@@ -14,7 +14,8 @@ from engine_adapter.types import GenerationRequest
 from server import sse
 from server.deps import AuthDep, GatewayDep
 from server.limits import Admission
-from server.protocol import ChatCompletionRequest, ErrorResponse
+from server.protocol import ChatCompletionRequest
+from server.routes.docs import JSON_OR_SSE
 from server.render import Choice, chat_logprobs, finish, usage
 from server.state import ServedModel
 from server.streaming import guarded, sse_response, until_disconnect
@@ -22,12 +23,9 @@ from server.tools import ToolPlan, plan_tools
 from server.validation import build_chat_request, chat_prompt, new_id, structured_from
 
 router = APIRouter(tags=["openai"])
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 413, 429, 503)
-}
 
 
-@router.post("/v1/chat/completions", response_model=None, responses=_ERRORS)
+@router.post("/v1/chat/completions", response_model=None, responses=JSON_OR_SSE)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, gw: GatewayDep, principal: AuthDep
 ) -> Response:

@@ -16,7 +16,7 @@ from server.deps import AuthDep, GatewayDep
 from server.limits import Admission
 from server.protocol import CompletionRequest
 from server.render import Choice, CompletionLogprobs, finish, usage
-from server.routes.chat import _ERRORS
+from server.routes.docs import JSON_OR_SSE
 from server.state import ServedModel
 from server.streaming import guarded, merge, sse_response, until_disconnect
 from server.validation import build_completion_request, completion_prompts, new_id
@@ -24,7 +24,7 @@ from server.validation import build_completion_request, completion_prompts, new_
 router = APIRouter(tags=["openai"])
 
 
-@router.post("/v1/completions", response_model=None, responses=_ERRORS)
+@router.post("/v1/completions", response_model=None, responses=JSON_OR_SSE)
 async def create_completion(
     body: CompletionRequest, request: Request, gw: GatewayDep, principal: AuthDep
 ) -> Response:

@@ -14,7 +14,7 @@ from engine_adapter.errors import ContextLengthExceeded, InvalidRequest
 from engine_adapter.types import EmbeddingRequest as EngineEmbeddingRequest
 from server.deps import AuthDep, GatewayDep
 from server.protocol import EmbeddingRequest
-from server.routes.chat import _ERRORS
+from server.routes.docs import ERRORS
 from server.streaming import until_disconnect
 from server.validation import deadline_after, new_id
 
@@ -39,7 +39,7 @@ def _inputs(body: EmbeddingRequest, encode: Any, vocab: int) -> list[list[int]]:
     return seqs
 
 
-@router.post("/v1/embeddings", response_model=None, responses=_ERRORS)
+@router.post("/v1/embeddings", response_model=None, responses=ERRORS)
 async def create_embeddings(
     body: EmbeddingRequest, request: Request, gw: GatewayDep, principal: AuthDep
 ) -> Response:

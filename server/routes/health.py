@@ -12,12 +12,12 @@ from server.deps import GatewayDep
 router = APIRouter(tags=["ops"])
 
 
-@router.get("/health")
+@router.get("/health", responses={200: {"content": {"application/json": {}}}})
 async def health(gw: GatewayDep) -> Response:
-    return Response(b"", status_code=200)
+    return Response(b'{"status":"ok"}', media_type="application/json")
 
 
-@router.get("/ready")
+@router.get("/ready", responses={200: {"content": {"application/json": {}}}, 503: {"content": {"application/json": {}}}})
 async def ready(gw: GatewayDep) -> Response:
     models = {p.name: {"alive": p.alive_workers(), "ready": p.ready_workers()} for p in gw.pools}
     ok = not gw.draining and all(p.ready() for p in gw.pools)

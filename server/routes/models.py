@@ -10,7 +10,8 @@ from starlette.responses import Response
 
 from engine_adapter.routing import Router
 from server.deps import AuthDep, GatewayDep
-from server.protocol import ModelList
+from server.protocol import ModelCardOut, ModelList
+from server.routes.docs import ERRORS
 from server.state import ServedModel
 
 router = APIRouter(tags=["openai"])
@@ -27,7 +28,7 @@ def _card(name: str, m: ServedModel) -> dict[str, Any]:
     return card
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def list_models(gw: GatewayDep, principal: AuthDep) -> Response:
     data = []
     for name, m in gw.models.items():
@@ -38,7 +39,7 @@ async def list_models(gw: GatewayDep, principal: AuthDep) -> Response:
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
-@router.get("/v1/models/{model_id:path}", response_model=None)
+@router.get("/v1/models/{model_id:path}", response_model=ModelCardOut, responses=ERRORS)
 async def get_model(model_id: str, gw: GatewayDep, principal: AuthDep) -> dict[str, Any]:
     m = gw.resolve(model_id, kind=gw.models[model_id].kind if model_id in gw.models else "generate")
     principal.check_model(m.id)

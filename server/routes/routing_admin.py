@@ -110,6 +110,8 @@ def reload_routes(gw: Gateway) -> bool:
         given: dict[str, Any] = {"config": gw.settings.config}
         fresh = Settings(**given)  # the file and the environment, validated
         gw.routing.apply(routes_from(fresh), replace_all=True)
+        if fresh.upstream and fresh.upstream != gw.settings.upstream:
+            logger.warning("SIGHUP: upstreams changed in %s; that needs a restart", gw.settings.config)
     except (ValueError, OSError, GatewayError) as e:
         logger.error("SIGHUP: routes in %s rejected, keeping the current ones: %s", gw.settings.config, e)
         return False
@@ -153,6 +155,8 @@ def stop_routing(app: FastAPI) -> None:
 
 
 def _user_from(chunks: list[bytes]) -> str | None:
+    if not chunks:
+        return None
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     if b'"user"' not in body:
         return None
@@ -181,9 +185,16 @@ class RoutingContextMiddleware:
         for k, v in scope["headers"]:
             if k == b"x-session-id" and v:
                 ctx.session = v.decode("latin-1")[:256]
-        chunks: list[bytes] = []
+        chunks: list[bytes] = []  # the body, kept only until the router asked or the response began
+
+        def load() -> str | None:
+            try:
+                return _user_from(chunks)
+            finally:
+                chunks.clear()
+
         if ctx.session is None:
-            ctx.session_loader = lambda: _user_from(chunks)
+            ctx.session_loader = load
 
         async def sniff() -> Message:
             message = await receive()
@@ -199,6 +210,7 @@ class RoutingContextMiddleware:
                 if ctx.routed:  # the answering target is known at the first body chunk
                     held = message
                     return
+                chunks.clear()  # not routed: no router will ask for the session
                 await send(message)
                 return
             if held is not None:

@@ -9,21 +9,22 @@ from fastapi import APIRouter
 from engine_adapter.errors import InvalidRequest
 from server.deps import AuthDep, GatewayDep
 from server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
-from server.routes.chat import _ERRORS
+from server.routes.docs import ERRORS
 from server.tools import plan_tools
 from server.validation import chat_prompt
 
 router = APIRouter(tags=["vllm"])
 
 
-@router.post("/tokenize", response_model=None, responses=_ERRORS)
+@router.post("/tokenize", response_model=None, responses=ERRORS)
 async def tokenize(body: TokenizeRequest, gw: GatewayDep, principal: AuthDep) -> dict[str, Any]:
     model = gw.resolve(body.model, kind=_kind(gw, body.model))
     principal.check_model(model.id)
     tok = model.pool.tokenizer
     if body.messages is not None:
-        chat = ChatCompletionRequest(
-            model=model.id, messages=body.messages, add_generation_prompt=body.add_generation_prompt
+        chat = ChatCompletionRequest.model_construct(
+            model=model.id, messages=body.messages, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=False, chat_template=None, tools=None, tool_choice=None,
         )
         plan = plan_tools(chat, tok)
         _, ids = chat_prompt(chat, tok, None, plan.chat_template)
@@ -36,7 +37,7 @@ async def tokenize(body: TokenizeRequest, gw: GatewayDep, principal: AuthDep) ->
     return out
 
 
-@router.post("/detokenize", response_model=None, responses=_ERRORS)
+@router.post("/detokenize", response_model=None, responses=ERRORS)
 async def detokenize(body: DetokenizeRequest, gw: GatewayDep, principal: AuthDep) -> dict[str, Any]:
     model = gw.resolve(body.model, kind=_kind(gw, body.model))
     principal.check_model(model.id)
@@ -51,7 +52,7 @@ def _kind(gw: Any, name: str | None) -> str:
     return str(m.kind) if m is not None else "generate"
 
 
-@router.get("/version")
+@router.get("/version", responses=ERRORS)
 async def version() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as pkg_version

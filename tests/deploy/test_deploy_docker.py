@@ -176,7 +176,7 @@ def test_npu_target_loads_the_cann_environment(dockerfile: tuple[dict[str, str],
 
 
 def test_cpu_target_installs_the_cpu_stack(dockerfile: tuple[dict[str, str], dict[str, Stage]]) -> None:
-    global_args, stages = dockerfile
+    _global_args, stages = dockerfile
     build = stages["cpu-build"]
     run = " ".join(build.all("RUN"))
     args = dict(a.partition("=")[::2] for a in build.all("ARG"))
@@ -207,7 +207,7 @@ def test_runtime_mounts_are_documented() -> None:
 class _Health(BaseHTTPRequestHandler):
     status = 200
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
     def do_GET(self) -> None:

@@ -14,6 +14,7 @@ import pytest
 from promql import contract_sample_names, grafana_query_metric_names, metric_names_in_promql
 
 
+@pytest.mark.e2e
 def test_nginx_serves_a_static_file_and_stops_gracefully(
     nginx_factory: Callable[..., object], tmp_path: Path
 ) -> None:
@@ -41,6 +42,7 @@ http {{
     assert deploy_services.stop_process(proc, signal.SIGQUIT) == 0  # type: ignore[arg-type]
 
 
+@pytest.mark.e2e
 def test_start_nginx_reports_a_broken_config(nginx_binary: str, tmp_path: Path) -> None:
     port = deploy_services.free_port()
     conf = f"events {{}}\nhttp {{ server {{ listen 127.0.0.1:{port}; no_such_directive on; }} }}\n"
@@ -48,6 +50,7 @@ def test_start_nginx_reports_a_broken_config(nginx_binary: str, tmp_path: Path) 
         deploy_services.start_nginx(conf, tmp_path / "bad", nginx=nginx_binary, timeout=5)
 
 
+@pytest.mark.e2e
 def test_prometheus_scrapes_itself(prometheus_factory: Callable[..., tuple[object, int]]) -> None:
     config = """
 global:

@@ -143,7 +143,7 @@ def _handler(up: Upstream) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             pass
 
         def _record(self, body_len: int) -> None:
@@ -237,6 +237,8 @@ def _chat(client: httpx.Client, base: str, **headers: str) -> httpx.Response:
 
 # ------------------------------------------------------ behaviour checks
 
+
+@pytest.mark.e2e
 def test_request_id_is_passed_through_or_generated(
     nginx_factory: Callable[..., object], upstreams: Callable[..., Upstream]
 ) -> None:
@@ -253,6 +255,7 @@ def test_request_id_is_passed_through_or_generated(
     assert all(req["connection"] in (None, "") for req in a.requests)
 
 
+@pytest.mark.e2e
 def test_failover_from_a_503_replica_and_a_dead_one(
     nginx_factory: Callable[..., object], upstreams: Callable[..., Upstream]
 ) -> None:
@@ -271,6 +274,7 @@ def test_failover_from_a_503_replica_and_a_dead_one(
     assert len(healthy.requests) == 9
 
 
+@pytest.mark.e2e
 def test_429_reaches_the_client_without_retry(
     nginx_factory: Callable[..., object], upstreams: Callable[..., Upstream]
 ) -> None:
@@ -283,6 +287,7 @@ def test_429_reaches_the_client_without_retry(
     assert len(full.requests) == 1
 
 
+@pytest.mark.e2e
 def test_streams_pass_through_unbuffered(
     nginx_factory: Callable[..., object], upstreams: Callable[..., Upstream]
 ) -> None:
@@ -303,6 +308,7 @@ def test_streams_pass_through_unbuffered(
     assert arrivals[-1][0] - arrivals[0][0] >= 1.0, arrivals
 
 
+@pytest.mark.e2e
 def test_least_conn_avoids_the_replica_busy_with_a_stream(
     nginx_factory: Callable[..., object], upstreams: Callable[..., Upstream]
 ) -> None:
@@ -320,6 +326,7 @@ def test_least_conn_avoids_the_replica_busy_with_a_stream(
     assert rest[-1] == "data: [DONE]"
 
 
+@pytest.mark.e2e
 def test_body_limit_matches_the_gateway(
     nginx_factory: Callable[..., object], upstreams: Callable[..., Upstream]
 ) -> None:
@@ -334,6 +341,7 @@ def test_body_limit_matches_the_gateway(
     assert len(a.requests) == 1
 
 
+@pytest.mark.e2e
 def test_metrics_stay_internal_but_answer_from_loopback(
     nginx_factory: Callable[..., object], upstreams: Callable[..., Upstream]
 ) -> None:
@@ -344,6 +352,7 @@ def test_metrics_stay_internal_but_answer_from_loopback(
         assert client.get(f"{base}/nginx-health").text == "ok\n"
 
 
+@pytest.mark.e2e
 def test_session_affinity_keeps_a_session_on_one_replica(
     nginx_factory: Callable[..., object], upstreams: Callable[..., Upstream]
 ) -> None:

@@ -60,7 +60,9 @@ def test_promtool_unit_tests_of_the_alerts(promtool_binary: str) -> None:
 def test_promtool_unit_tests_can_fail(promtool_binary: str, tmp_path: Path) -> None:
     # The same tests with the memory threshold moved to 90% must fail: the
     # 85% device no longer fires.
-    rules = RULES.read_text().replace('npu_memory_usage_bytes{type="total"} > 0.8', 'npu_memory_usage_bytes{type="total"} > 0.9')
+    rules = RULES.read_text().replace(
+        'npu_memory_usage_bytes{type="total"} > 0.8', 'npu_memory_usage_bytes{type="total"} > 0.9'
+    )
     assert rules != RULES.read_text()
     (tmp_path / "rules.yml").write_text(rules)
     test = yaml.safe_load(RULES_TEST.read_text())
@@ -227,6 +229,7 @@ def _query(client: httpx.Client, base: str, expr: str) -> dict[str, Any]:
     return body
 
 
+@pytest.mark.e2e
 def test_real_prometheus_with_the_real_config(
     nginx_factory: Callable[..., object],
     prometheus_factory: Callable[..., tuple[object, int]],

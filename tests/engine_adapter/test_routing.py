@@ -66,7 +66,8 @@ def req(rid: str = "r", max_tokens: int = 2) -> GenerationRequest:
 
 
 def pool(name: str, make: Callable[[], SimulatedEngine] | None = None, **kw: Any) -> WorkerPool:
-    return WorkerPool(name, lambda i: make() if make else SimulatedEngine(name=name), readiness_interval=60, **kw)
+    kw = {"readiness_interval": 60, "probe_timeout": 0.1, **kw}  # a hung engine's start-up probe gives up soon
+    return WorkerPool(name, lambda i: make() if make else SimulatedEngine(name=name), **kw)
 
 
 @asynccontextmanager
