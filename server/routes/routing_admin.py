@@ -35,6 +35,7 @@ from engine_adapter.routing import (
 from engine_adapter.routing.spec import check_targets
 from server.auth import Principal, require_admin
 from server.deps import GatewayDep
+from server.routes.docs import ERRORS
 from server.settings import Settings
 from server.state import Gateway
 
@@ -69,12 +70,12 @@ def describe(gw: Gateway) -> dict[str, Any]:
     return {"object": "routes", "aliases": _table(gw).describe()}
 
 
-@router.get("/admin/routes")
+@router.get("/admin/routes", responses=ERRORS)
 async def get_routes(gw: GatewayDep, admin: AdminDep) -> dict[str, Any]:
     return describe(gw)
 
 
-@router.post("/admin/routes")
+@router.post("/admin/routes", responses=ERRORS)
 async def set_routes(body: RoutesUpdate, gw: GatewayDep, admin: AdminDep) -> dict[str, Any]:
     table = _table(gw)
     specs: dict[str, RouteSpec] = {}
