@@ -11,12 +11,19 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# vLLM's buckets, so dashboards built for vLLM read the same quantiles.
 _LATENCY = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )
-_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITL = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+_E2E = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)
 
 
 def _token_buckets(max_len: int) -> list[float]:
@@ -36,9 +43,13 @@ class EngineMetrics:
         r = registry
         self.running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", L, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", L, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L, registry=r)
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L, registry=r
+        )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", L, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", L, registry=r)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", L, registry=r
+        )
         self.success = Counter(
             "vllm:request_success", "Count of successfully processed requests.", [*L, "finished_reason"], registry=r
         )
@@ -50,13 +61,21 @@ class EngineMetrics:
             "vllm:iteration_tokens_total", "Histogram of tokens per engine step.", L,
             buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], registry=r,
         )
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", L, buckets=_LATENCY, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", L, buckets=_ITL, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End to end request latency in seconds.", L, buckets=_E2E, registry=r)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token in seconds.", L, buckets=_LATENCY, registry=r
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", L, buckets=_ITL, registry=r
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End to end request latency in seconds.", L, buckets=_E2E, registry=r
+        )
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds", "Time spent in the engine's WAITING phase.", L, buckets=_E2E, registry=r
         )
-        self.req_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", L, buckets=tok, registry=r)
+        self.req_prompt = Histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", L, buckets=tok, registry=r
+        )
         self.req_generation = Histogram(
             "vllm:request_generation_tokens", "Generation tokens per request.", L, buckets=tok, registry=r
         )

@@ -46,7 +46,7 @@ def _package_dir(package: str) -> Path:
             f"the package providing {package!r} is not installed; "
             "run `make setup` (it installs it with --no-deps)"
         )
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def embedded_gguf_path() -> Path:

@@ -57,7 +57,7 @@ _TICK = object()
 class _Ticker:
     """Puts _TICK into a channel whenever nothing else came for `every` s."""
 
-    __slots__ = ("channel", "every", "seen", "_handle", "_loop")
+    __slots__ = ("_handle", "_loop", "channel", "every", "seen")
 
     def __init__(self, channel: asyncio.Queue[object], every: float) -> None:
         self.channel = channel
@@ -216,6 +216,9 @@ class WorkerPool:
         for w in self.workers:
             w.alive = False
 
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
     def stop_accepting(self) -> None:
         self._accepting = False
 
@@ -356,7 +359,7 @@ class WorkerPool:
                 producer.cancel()
                 try:
                     await asyncio.shield(producer)
-                except BaseException:  # noqa: BLE001 - the abort is what matters
+                except BaseException:
                     pass
             w.tasks.discard(producer)
             self._running -= 1
@@ -399,7 +402,7 @@ class WorkerPool:
     async def _abort_quietly(self, w: Worker, request_id: str) -> None:
         try:
             await w.engine.abort(request_id)
-        except Exception:  # noqa: BLE001 - a dead engine has nothing to abort
+        except Exception:
             logger.debug("abort of %s failed", request_id, exc_info=True)
 
     async def embed(self, req: EmbeddingRequest) -> list[list[float]]:
@@ -440,7 +443,7 @@ class WorkerPool:
         while self._accepting:
             try:
                 await w.engine.stop()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.debug("stopping dead engine failed", exc_info=True)
             try:
                 w.engine = self._factory(w.index)
@@ -471,7 +474,7 @@ class WorkerPool:
         except EngineDead as e:
             self._on_dead(w, e)
             return
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             logger.warning("%s worker %d: readiness probe failed: %s", self.name, w.index, e)
             return
         w.last_ready = time.monotonic()

@@ -89,7 +89,7 @@ class EngineOutput:
     index: int = 0
     text: str = ""
     token_ids: Sequence[int] = ()
-    logprobs: Sequence[TokenLogprob] | None = None
+    logprobs: Sequence[TokenLogprob | None] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     prompt_tokens: int = 0

@@ -35,7 +35,7 @@ def create_app(
     """`pools`: (pool, served names, root) per model; built from `settings`
     in the lifespan when not given. Given pools are started and stopped by
     the app too."""
-    disable_created_metrics()  # as vLLM does: no *_created series
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # as vLLM: no *_created series
     registry = registry if registry is not None else CollectorRegistry()
     gw_metrics = GatewayMetrics(registry)
     holder: dict[str, Gateway] = {}

@@ -46,10 +46,7 @@ class GatewayServer(uvicorn.Server):
         if gw is not None:
             logger.info("draining: in-flight requests get up to %.0fs", timeout)
             gw.begin_drain()
-            loop = asyncio.get_running_loop()
-            end = loop.time() + timeout
-            while any(p.running for p in gw.pools) and loop.time() < end:
-                await asyncio.sleep(0.1)
+            await gw.wait_idle(timeout)
             await asyncio.gather(*(p.stop(0) for p in gw.pools), return_exceptions=True)
             await asyncio.sleep(0.2)  # let aborted streams write their error events
         self.should_exit = True

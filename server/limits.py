@@ -24,7 +24,7 @@ def _reset(seconds: float) -> str:
     seconds = max(0.0, seconds)
     if seconds < 60:
         return f"{seconds:.3g}s"
-    m, s = divmod(int(math.ceil(seconds)), 60)
+    m, s = divmod(math.ceil(seconds), 60)
     return f"{m}m{s}s"
 
 
@@ -45,7 +45,7 @@ class _Usage:
 class Admission:
     """One admitted request's hold on its key's limits."""
 
-    __slots__ = ("_limits", "_entry", "_usage", "_slot", "_model", "_done", "_headers")
+    __slots__ = ("_done", "_entry", "_headers", "_limits", "_model", "_slot", "_usage")
 
     def __init__(
         self,

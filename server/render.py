@@ -39,8 +39,8 @@ class CompletionLogprobs:
     text_offset: list[int] = field(default_factory=list)
     offset: int = 0
 
-    def add(self, lps: Sequence[TokenLogprob | None], first_is_prompt_start: bool = False) -> None:
-        for i, lp in enumerate(lps):
+    def add(self, lps: Sequence[TokenLogprob | None]) -> None:
+        for lp in lps:
             if lp is None:  # the first prompt token has no logprob
                 self.tokens.append("")
                 self.token_logprobs.append(None)

@@ -77,6 +77,16 @@ class Gateway:
             )
         self.models = models
 
+    async def wait_idle(self, timeout: float) -> None:
+        """Until no request runs in any pool, or `timeout` seconds."""
+        import asyncio
+
+        waits = [asyncio.ensure_future(p.wait_idle()) for p in self.pools]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=timeout)
+            for t in pending:
+                t.cancel()
+
     def begin_drain(self) -> None:
         """SIGTERM: /ready fails at once; new requests get 503 + Retry-After."""
         self.draining = True

@@ -38,7 +38,7 @@ async def merge(streams: list[tuple[int, Stream]]) -> AsyncIterator[tuple[int, E
             queue.put_nowait(None)
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+        except BaseException as e:
             queue.put_nowait(e)
 
     tasks = [asyncio.ensure_future(pump(tag, s)) for tag, s in streams]

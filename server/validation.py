@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from engine_adapter.errors import ContextLengthExceeded, InvalidRequest
 from engine_adapter.types import (
@@ -211,15 +211,27 @@ def build_chat_request(
     )
 
 
-def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer) -> list[tuple[str | None, list[int]]]:
-    p = body.prompt
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+def prompt_inputs(p: PromptInput, tokenizer: Tokenizer) -> list[tuple[str | None, list[int]]]:
+    """OpenAI's four prompt forms (text, texts, ids, lists of ids) as
+    (text or None, token ids) pairs."""
     if isinstance(p, str):
         return [(p, tokenizer.encode(p, add_special_tokens=True))]
-    if p and isinstance(p[0], str):
-        return [(s, tokenizer.encode(s, add_special_tokens=True)) for s in p]  # type: ignore[arg-type]
-    if p and isinstance(p[0], int):
-        return [(None, list(p))]  # type: ignore[arg-type]
-    return [(None, list(ids)) for ids in p]  # type: ignore[union-attr]
+    out: list[tuple[str | None, list[int]]] = []
+    for item in p:
+        if isinstance(item, str):
+            out.append((item, tokenizer.encode(item, add_special_tokens=True)))
+        elif isinstance(item, int):
+            return [(None, list(cast("list[int]", p)))]
+        else:
+            out.append((None, list(item)))
+    return out
+
+
+def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer) -> list[tuple[str | None, list[int]]]:
+    return prompt_inputs(body.prompt, tokenizer)
 
 
 def build_completion_request(

@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine_adapter.errors import EngineDead, EngineError, InvalidRequest
 from engine_adapter.types import (
@@ -101,7 +101,9 @@ def configure_process_env(device: str) -> None:
         # Binding to every core nearly doubled throughput over "auto".
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         if cores:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else ",".join(map(str, cores)))
+            contiguous = cores == list(range(cores[0], cores[-1] + 1))
+            bind = f"{cores[0]}-{cores[-1]}" if contiguous else ",".join(map(str, cores))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     elif device == "npu":
         os.environ.setdefault("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
@@ -270,7 +272,7 @@ class VllmEngine:
         factory = make_stat_logger_factory(self, self._metrics)
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
         mc = self._llm.model_config
-        kind = "embed" if self.config.runner == "pooling" else "generate"
+        kind: Literal["generate", "embed"] = "embed" if self.config.runner == "pooling" else "generate"
         dim = None
         if kind == "embed":
             dim = int(getattr(mc.hf_config, "hidden_size", 0)) or None
@@ -360,8 +362,8 @@ class VllmEngine:
                         index=co.index,
                         text=co.text,
                         token_ids=co.token_ids,
-                        logprobs=lps,  # type: ignore[arg-type]
-                        finish_reason=co.finish_reason,  # type: ignore[arg-type]
+                        logprobs=lps,
+                        finish_reason=co.finish_reason,
                         stop_reason=co.stop_reason,
                         prompt_tokens=n_prompt,
                         cached_tokens=cached,

@@ -15,8 +15,8 @@ from server import sse
 from server.deps import AuthDep, GatewayDep
 from server.limits import Admission
 from server.protocol import ChatCompletionRequest
-from server.routes.docs import JSON_OR_SSE
 from server.render import Choice, chat_logprobs, finish, usage
+from server.routes.docs import JSON_OR_SSE
 from server.state import ServedModel
 from server.streaming import guarded, sse_response, until_disconnect
 from server.tools import ToolPlan, plan_tools
@@ -54,7 +54,8 @@ async def create_chat_completion(
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _stream(model, req, plan, created, include_usage, body.logprobs, gw.settings.sse_keep_alive_interval, admission)
+        keep_alive = gw.settings.sse_keep_alive_interval
+        events = _stream(model, req, plan, created, include_usage, body.logprobs, keep_alive, admission)
         return sse_response(guarded(events, admission.fail), admission.headers())
     try:
         result = await until_disconnect(request, _collect(model, req, plan, created, body.logprobs))

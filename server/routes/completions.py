@@ -119,7 +119,8 @@ async def _stream(
     head = {"id": rid, "object": "text_completion", "created": created, "model": model.id}
     n = body.n
     echoed: set[tuple[int, int]] = set()
-    lps = {(p, i): CompletionLogprobs() for p in range(len(reqs)) for i in range(n)} if body.logprobs is not None else {}
+    keys = [(p, i) for p in range(len(reqs)) for i in range(n)]
+    lps = {k: CompletionLogprobs() for k in keys} if body.logprobs is not None else {}
     tokens = 0
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     try:

@@ -12,25 +12,19 @@ from starlette.responses import Response
 
 from engine_adapter.errors import ContextLengthExceeded, InvalidRequest
 from engine_adapter.types import EmbeddingRequest as EngineEmbeddingRequest
+from engine_adapter.types import Tokenizer
 from server.deps import AuthDep, GatewayDep
 from server.protocol import EmbeddingRequest
 from server.routes.docs import ERRORS
 from server.streaming import until_disconnect
-from server.validation import deadline_after, new_id
+from server.validation import deadline_after, new_id, prompt_inputs
 
 router = APIRouter(tags=["openai"])
 
 
-def _inputs(body: EmbeddingRequest, encode: Any, vocab: int) -> list[list[int]]:
-    x = body.input
-    if isinstance(x, str):
-        seqs = [encode(x)]
-    elif isinstance(x[0], str):
-        seqs = [encode(s) for s in x]  # type: ignore[arg-type]
-    elif isinstance(x[0], int):
-        seqs = [list(x)]  # type: ignore[arg-type]
-    else:
-        seqs = [list(s) for s in x]  # type: ignore[union-attr]
+def _inputs(body: EmbeddingRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    seqs = [ids for _, ids in prompt_inputs(body.input, tokenizer)]
+    vocab = tokenizer.vocab_size
     for s in seqs:
         if not s:
             raise InvalidRequest("input must not be empty", param="input")
@@ -54,7 +48,7 @@ async def create_embeddings(
             param="dimensions",
         )
     tok = pool.tokenizer
-    seqs = _inputs(body, lambda s: tok.encode(s, add_special_tokens=True), tok.vocab_size)
+    seqs = _inputs(body, tok)
     for s in seqs:
         if len(s) > card.max_model_len:
             raise ContextLengthExceeded(

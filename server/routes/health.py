@@ -3,6 +3,8 @@ that completed a real generation within --readiness-interval)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from fastapi import APIRouter
 from starlette.responses import Response
@@ -17,7 +19,10 @@ async def health(gw: GatewayDep) -> Response:
     return Response(b'{"status":"ok"}', media_type="application/json")
 
 
-@router.get("/ready", responses={200: {"content": {"application/json": {}}}, 503: {"content": {"application/json": {}}}})
+_JSON: dict[str, Any] = {"content": {"application/json": {}}}
+
+
+@router.get("/ready", responses={200: _JSON, 503: _JSON})
 async def ready(gw: GatewayDep) -> Response:
     models = {p.name: {"alive": p.alive_workers(), "ready": p.ready_workers()} for p in gw.pools}
     ok = not gw.draining and all(p.ready() for p in gw.pools)

@@ -67,6 +67,17 @@ def access_log(tmp_path: Path, name: str = "nginx") -> list[str]:
     return (tmp_path / name / "logs" / "access.log").read_text().splitlines()
 
 
+def wait_logged(tmp_path: Path, count: int, name: str = "nginx", timeout: float = 5.0) -> list[str]:
+    """The access log once it has `count` lines (nginx writes a line just
+    after the response went out, so it may lag the client by a moment)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = access_log(tmp_path, name)
+        if len(lines) >= count or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
 # ------------------------------------------------------------- streaming
 
 def test_stream_arrives_through_nginx_incrementally(
@@ -134,7 +145,7 @@ def test_client_request_id_comes_back_unchanged(
         assert r.status_code == 200
         made = r.headers["x-request-id"]
         assert re.fullmatch(r"[0-9a-f]{32}", made), made
-    log = "\n".join(access_log(tmp_path))
+    log = "\n".join(wait_logged(tmp_path, 3))
     for expected in (rid, stream_rid, made):
         assert f"rid={expected} " in log
 
@@ -152,7 +163,7 @@ def test_stopping_one_replica_fails_no_request(
         for _ in range(4):
             assert client.post(url + CHAT_ROUTE, json=CHAT).status_code == 200
         assert chat_count(victim) >= 1  # the victim was in rotation
-        logged_before = len(access_log(tmp_path))
+        logged_before = len(wait_logged(tmp_path, 4))
 
         if how == "SIGTERM":
             victim.signal(signal.SIGTERM)
@@ -169,7 +180,8 @@ def test_stopping_one_replica_fails_no_request(
 
     # nginx did try the stopped replica and moved the request on (so the test
     # exercised failover, not just a balancer that happened to avoid it).
-    after = access_log(tmp_path)[logged_before:]
+    after = wait_logged(tmp_path, logged_before + 30)[logged_before:]
+    assert len(after) == 30, "\n".join(after)
     victim_addr = f"127.0.0.1:{victim.port}"
     retried = [ln for ln in after if victim_addr in ln and f"127.0.0.1:{survivor.port}" in ln]
     assert retried, "\n".join(after)
