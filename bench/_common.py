@@ -151,12 +151,19 @@ def wait_for_quiet(max_load: float = 1.5, timeout: float = 900.0, max_foreign: f
         time.sleep(10)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds: every `with Server` / finally stops its server
+
+
+signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
 def undisturbed(args: Any, pids: Sequence[int], run: Any) -> dict[str, Any]:
     """Run `run()` (returns a dict) when the machine is quiet; repeat it,
     bounded by `args.retries`, when other people's jobs took more than
     `args.max_foreign` cores meanwhile. Marks the row."""
     for attempt in range(args.retries + 1):
-        wait_for_quiet(args.max_load, pids=pids)
+        wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign, pids=pids)
         meter = ForeignCpu(pids)
         row: dict[str, Any] = run()
         row["foreign_cores"] = round(meter.cores(), 3)
@@ -170,8 +177,10 @@ def undisturbed(args: Any, pids: Sequence[int], run: Any) -> dict[str, Any]:
 
 def add_quiet_args(ap: Any) -> None:
     ap.add_argument("--max-load", type=float, default=1.5, help="> 50: never wait for a quiet machine")
-    ap.add_argument("--max-foreign", type=float, default=0.15, help="cores other jobs may use during a run")
-    ap.add_argument("--retries", type=int, default=2, help="repeats of a disturbed run")
+    ap.add_argument("--max-foreign", type=float, default=0.3,
+                    help="cores other jobs may use before (5 s sample) and during a run")
+    ap.add_argument("--retries", type=int, default=1, help="repeats of a disturbed run")
+    ap.add_argument("--quiet-timeout", type=float, default=180, help="longest wait for a quiet machine (s)")
 
 
 # ---------------------------------------------------------------- processes

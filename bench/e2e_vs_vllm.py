@@ -25,6 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     BENCH,
+    add_quiet_args,
     undisturbed,
     GATEWAY,
     MAIN_PY,
@@ -170,9 +171,7 @@ def main() -> None:
     ap.add_argument("--cpu-bind", default=None)
     ap.add_argument("--ready-timeout", type=float, default=300)
     ap.add_argument("--run-timeout", type=float, default=400)
-    ap.add_argument("--max-load", type=float, default=1.5, help="> 50: never wait for a quiet machine")
-    ap.add_argument("--max-foreign", type=float, default=0.15, help="cores other jobs may use during a run")
-    ap.add_argument("--retries", type=int, default=2, help="repeats of a disturbed run")
+    add_quiet_args(ap)
     ap.add_argument("--profile", action="store_true", help="py-spy our gateway during the c=16 run (round 1)")
     ap.add_argument("--profile-conc", type=int, default=16)
     ap.add_argument("--profile-prompts", type=int, default=64)
@@ -192,7 +191,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         order = list(args.servers) if rnd % 2 == 0 else list(reversed(args.servers))
         for kind in order:
-            wait_for_quiet(args.max_load)
+            wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign)
             port = free_port()
             srv = make_server(kind, args, port, f"r{rnd}")
             print(f"[round {rnd + 1}/{args.rounds}] starting {kind} on :{port}", flush=True)
@@ -215,6 +214,8 @@ def main() -> None:
                     # an extra, unmeasured run under py-spy (its sampling is not in the numbers above)
                     c = args.profile_conc
                     name = f"profile_e2e_ours_c{c}"
+                    wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign,
+                                   pids=[srv.pid])
                     spy = pyspy_start(srv.pid, name, duration=args.profile_seconds)
                     row = bench_serve(args, port, c, out_dir, f"{args.name}-profile.json", n=args.profile_prompts)
                     profile = pyspy_finish(spy, name, f"npu-gateway API process under vllm bench serve c={c}")
@@ -232,6 +233,7 @@ def main() -> None:
         entry: dict[str, Any] = {"concurrency": c}
         for kind in args.servers:
             rs = [r for r in runs if r["server"] == kind and r["concurrency"] == c]
+            entry[f"{kind}_foreign_cores_max"] = max((r["foreign_cores"] for r in rs), default=None)
             for m in METRICS:
                 vals = [r[m] for r in rs if r[m] is not None]
                 entry[f"{kind}_{m}"] = median(vals) if vals else None
@@ -243,18 +245,20 @@ def main() -> None:
                 entry[f"ratio_{m}"] = (a / b) if a and b else None
         summary.append(entry)
 
-    headers = ["c", "server", "out tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
+    headers = ["c", "server", "out tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+               "others' CPU (max, cores)"]
     rows = []
     for e in summary:
         for kind in args.servers:
             rows.append([e["concurrency"], kind, *(
                 f"{e[f'{kind}_{m}']:.1f} ({e[f'{kind}_{m}_min']:.1f}–{e[f'{kind}_{m}_max']:.1f})"
                 if e[f"{kind}_{m}"] is not None else "–"
-                for m in ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"))])
+                for m in ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")),
+                e[f"{kind}_foreign_cores_max"]])
         if "ratio_output_tok_s" in e:
             rows.append([e["concurrency"], "**ours/vLLM**", *(
                 f"{e[f'ratio_{m}']:.3f}" if e[f"ratio_{m}"] else "–"
-                for m in ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"))])
+                for m in ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")), ""])
     txt = table(headers, rows)
     print("\nmedian over rounds (min–max)\n" + txt)
     print("start-up s: " + ", ".join(f"{k} {[round(x) for x in v]}" for k, v in starts.items()))

@@ -190,7 +190,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             order = list(args.targets) if rnd % 2 == 0 else list(reversed(args.targets))
             for kind in order:
-                wait_for_quiet(args.max_load)
+                wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign)
                 port = up_port if kind == "direct" else free_port()
                 base = f"http://127.0.0.1:{port}"
                 url = f"{base}/v1/chat/completions"

@@ -83,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
     extra = args.gw_extra.split()
 
-    wait_for_quiet(args.max_load)
+    wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign)
     port = free_port()
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     levels: list[dict[str, Any]] = []
@@ -129,7 +129,7 @@ def main() -> None:
     # ---- idle streams: RSS per open stream
     memory: list[dict[str, Any]] = []
     for n in args.hold:
-        wait_for_quiet(args.max_load)
+        wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign)
         port = free_port()
         with gateway(port, 3600.0, args.itl, f"idle{n}", extra) as srv:
             # touch every code path once so lazy imports and caches are not counted

@@ -85,6 +85,20 @@ class EngineMetrics:
             "vllm_batch_tokens_processed", "Tokens processed by engine steps (prefill + decode).", L, registry=r
         )
 
+    def init_engine(self, model: str, engine: int) -> None:
+        """Create every per-engine series at 0, so a quiet engine exports
+        samples (a panel shows 0, not "No data")."""
+        e = str(engine)
+        for m in (
+            self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
+            self.preemptions, self.prefix_queries, self.prefix_hits, self.iteration_tokens, self.ttft,
+            self.itl, self.e2e, self.queue_time, self.req_prompt, self.req_generation, self.seed_running,
+            self.seed_batch_tokens,
+        ):
+            m.labels(model, e)
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model, e, reason)
+
     def set_scheduler(self, model: str, engine: int, running: int, waiting: int, kv_usage: float) -> None:
         e = str(engine)
         self.running.labels(model, e).set(running)

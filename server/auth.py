@@ -33,8 +33,9 @@ class KeyEntry:
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    name: str | None  # None: no keys configured (open server)
+    name: str | None  # None: no client keys configured (open server)
     entry: KeyEntry | None = None
+    open_admin: bool = False  # open server without an admin key: admin routes open too
 
     def check_model(self, model: str) -> None:
         if self.entry is not None and self.entry.models is not None and model not in self.entry.models:
@@ -50,7 +51,7 @@ class Principal:
 
     @property
     def admin(self) -> bool:
-        return self.entry is None or self.entry.admin
+        return self.entry.admin if self.entry is not None else self.open_admin
 
 
 def sha256_hex(key: str) -> str:
@@ -104,7 +105,13 @@ class KeyStore:
 
     @property
     def open(self) -> bool:
-        return not self.entries
+        """No client keys: the API routes are open (an admin key alone still
+        guards the admin routes)."""
+        return not any(e.name != "admin" or not e.admin for e in self.entries)
+
+    @property
+    def has_admin_key(self) -> bool:
+        return any(e.admin for e in self.entries)
 
     def lookup(self, key: str) -> KeyEntry | None:
         digest = sha256_hex(key)
@@ -133,7 +140,7 @@ def key_from_headers(request: Request) -> str | None:
 async def authenticate(request: Request) -> Principal:
     store: KeyStore = request.app.state.keys
     if store.open:
-        return Principal(name=None)
+        return Principal(name=None, open_admin=not store.has_admin_key)
     key = key_from_headers(request)
     if key is None:
         raise AuthenticationError(
@@ -146,7 +153,15 @@ async def authenticate(request: Request) -> Principal:
 
 
 async def require_admin(request: Request) -> Principal:
-    p = await authenticate(request)
+    store: KeyStore = request.app.state.keys
+    if store.open and store.has_admin_key:
+        key = key_from_headers(request)
+        entry = store.lookup(key) if key is not None else None
+        if entry is None:
+            raise AuthenticationError("this route needs the admin API key")
+        p = Principal(name=entry.name, entry=entry)
+    else:
+        p = await authenticate(request)
     if not p.admin:
         raise PermissionDenied("this route needs an admin API key", code="admin_required")
     return p

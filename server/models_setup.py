@@ -80,6 +80,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
             max_model_len=None,  # the model's own (256 for all-MiniLM-L6-v2)
             max_num_seqs=min(s.max_num_seqs, 64),
             profile_dir=engine.profile_dir,
+            profile_frontend=False,
         )
         specs.append(
             ModelSpec(names=emb_names, backend="vllm", vllm=emb, root=str(emb_path),

@@ -18,13 +18,15 @@ REAL_GATEWAY_ARGS = [
     "--readiness-interval", "3600",
     "--sse-keep-alive-interval", "2",
     "--seed", "0",
+    "--admin-api-key", "sk-admin",  # guards /start_profile and /stop_profile only
 ]
 
 
 @pytest.fixture(scope="session")
 def real_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    log = tmp_path_factory.mktemp("real-gateway") / "gateway.log"
-    gw = GatewayProcess(REAL_GATEWAY_ARGS, log)
+    tmp = tmp_path_factory.mktemp("real-gateway")
+    gw = GatewayProcess([*REAL_GATEWAY_ARGS, "--profile-dir", str(tmp / "profiles")], tmp / "gateway.log")
+    gw.profile_dir = tmp / "profiles"  # type: ignore[attr-defined]
     try:
         gw.wait_ready(timeout=420)
         yield gw

@@ -53,9 +53,12 @@ class VllmConfig:
     scheduling_policy: str = "fcfs"
     seed: int | None = None
     profile_dir: str | None = None
+    # Only one torch profiler may trace the front-end process (kineto refuses
+    # a second); the other engines profile their workers only.
+    profile_frontend: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def engine_kwargs(self, device: str) -> dict[str, Any]:
+    def engine_kwargs(self, device: str, index: int = 0) -> dict[str, Any]:
         """The AsyncEngineArgs keyword arguments; None means vLLM's default."""
         kw: dict[str, Any] = {
             "model": self.model,
@@ -78,7 +81,11 @@ class VllmConfig:
             "enable_log_requests": False,
         }
         if self.profile_dir:
-            kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": self.profile_dir}
+            kw["profiler_config"] = {
+                "profiler": "torch",
+                "torch_profiler_dir": self.profile_dir,
+                "ignore_frontend": not (self.profile_frontend and index == 0),
+            }
         if self.runner == "pooling":
             kw["runner"] = "pooling"
         if device == "cpu":
@@ -266,7 +273,7 @@ class VllmEngine:
 
         from engine_adapter.backends.vllm_stats import make_stat_logger_factory
 
-        kwargs = self.config.engine_kwargs(self.device)
+        kwargs = self.config.engine_kwargs(self.device, self.index)
         logger.info("starting vLLM engine %d: %s", self.index, kwargs)
         args = AsyncEngineArgs(**kwargs)
         factory = make_stat_logger_factory(self, self._metrics)
@@ -276,6 +283,8 @@ class VllmEngine:
         dim = None
         if kind == "embed":
             dim = int(getattr(mc.hf_config, "hidden_size", 0)) or None
+        if self._metrics is not None:
+            self._metrics.init_engine(self.config.served_model_name, self.index)
         self._card = ModelCard(
             max_model_len=int(mc.max_model_len), kind=kind, embedding_dim=dim, root=self.config.model
         )

@@ -100,7 +100,7 @@ async def _collect(
         "id": req.request_id,
         "object": "chat.completion",
         "created": created,
-        "model": model.id,
+        "model": model.served_by(),
         "choices": rendered,
         "usage": usage(prompt_tokens, completion_tokens, cached),
     }
@@ -133,6 +133,8 @@ async def _stream(
             if out is None:
                 yield sse.KEEP_ALIVE
                 continue
+            if not any(started):  # the first output: a router has chosen who answers
+                head["model"] = model.served_by()
             i = out.index
             cached = out.cached_tokens or cached
             if not started[i]:

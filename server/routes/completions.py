@@ -100,7 +100,7 @@ async def _collect(
         "id": rid,
         "object": "text_completion",
         "created": created,
-        "model": model.id,
+        "model": model.served_by(),
         "choices": rendered,
         "usage": usage(prompt_tokens, sum(c.tokens for c in choices.values())),
     }
@@ -129,6 +129,8 @@ async def _stream(
             if out is None:
                 yield sse.KEEP_ALIVE
                 continue
+            if head["model"] == model.id:
+                head["model"] = model.served_by()
             key = (p, out.index)
             text = out.text
             lp: dict[str, Any] | None = None

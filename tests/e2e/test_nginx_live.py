@@ -12,6 +12,7 @@ not the model behind it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import signal
@@ -244,7 +245,8 @@ async def test_keep_alive_comments_hold_an_idle_stream_open_through_nginx(
     assert lines[0][1] == "HTTP 200", lines
     data = [(t, ln[6:]) for t, ln in lines if ln.startswith("data: ")]
     assert data and data[-1][1] == "[DONE]", lines
-    content = [d for _, d in data[:-1] if orjson.loads(d)["choices"] and orjson.loads(d)["choices"][0]["delta"].get("content")]
+    chunks = [orjson.loads(d) for _, d in data[:-1]]
+    content = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
     assert len(content) == 5
     first_data = data[0][0]
     assert first_data > 6.0, f"the stream was not idle: first data after {first_data:.1f} s"
@@ -253,7 +255,7 @@ async def test_keep_alive_comments_hold_an_idle_stream_open_through_nginx(
     # Nothing but keep-alives for > 3 s (nginx's timeout), and no silence of
     # 3 s or more between two things received.
     times = [t for t, ln in lines if ln]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     assert max(gaps) < 3.0, lines
 
     # Keep-alive interval above the nginx timeout: nginx cuts the stream.

@@ -192,7 +192,7 @@ async def test_ready_turns_false_when_engine_hangs_later() -> None:
 
 @pytest.mark.asyncio
 async def test_stop_drains_then_aborts_with_clean_errors() -> None:
-    pool, engines = make_pool(SimulatedConfig(itl=0.02), slots_per_worker=1)
+    pool, _engines = make_pool(SimulatedConfig(itl=0.02), slots_per_worker=1)
     await pool.start()
     short = asyncio.ensure_future(drain(pool, req("short", 3)))
     await asyncio.sleep(0.01)

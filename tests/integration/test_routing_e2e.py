@@ -28,7 +28,8 @@ class Pair:
     def __init__(self, tmp: Path) -> None:
         self.routes = tmp / "routes.yaml"
         self.routes.write_text(ROUTES)
-        self.upstream = GatewayProcess([*COMMON, "--served-model-name", "qwen-v3"], tmp / "upstream.log")
+        upstream_args = [*COMMON, "--served-model-name", "qwen-v3", "--max-model-len", "2048"]
+        self.upstream = GatewayProcess(upstream_args, tmp / "upstream.log")
         self.front: GatewayProcess | None = None
         try:
             self.upstream.wait_ready(60, path="/health")
@@ -101,7 +102,9 @@ async def test_alias_listed_split_sticky_and_counted(pair: Pair) -> None:
         assert alias["parent"] in ("qwen-v2", "qwen-v3")
         assert [t["model"] for t in alias["targets"]] == ["qwen-v2", "qwen-v3"]
         assert alias["fallbacks"] == ["qwen-v2"]
-        assert models["qwen-v3"].model_dump()["max_model_len"] == 4096  # learned from the upstream
+        assert models["qwen-v3"].model_dump()["max_model_len"] == 2048  # learned from the upstream
+        assert models["qwen-v2"].model_dump()["max_model_len"] == 4096
+        assert alias["max_model_len"] == 2048  # the shortest context of its targets
 
         async def ask(session: str) -> str:
             raw = await client.chat.completions.with_raw_response.create(

@@ -191,7 +191,7 @@ async def test_keys_file_model_allow_list(tmp_path: Path) -> None:
 async def test_requests_per_minute_limit_and_headers(tmp_path: Path) -> None:
     s = Settings(api_keys_file=_keys_file(tmp_path, requests_per_minute=2, tokens_per_minute=10_000))
     h = {"Authorization": "Bearer sk-team-a"}
-    async with running_app(s) as (c, app):
+    async with running_app(s) as (c, _app):
         r1 = await c.post("/v1/chat/completions", json=CHAT, headers=h)
         assert r1.headers["x-ratelimit-limit-requests"] == "2"
         assert r1.headers["x-ratelimit-remaining-requests"] == "1"
@@ -296,3 +296,16 @@ async def test_ready_reflects_draining(client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/chat/completions", json=CHAT)
     assert assert_openai_error(r, 503)["code"] == "shutting_down"
     assert r.headers["retry-after"]
+
+
+@pytest.mark.asyncio
+async def test_admin_key_alone_guards_only_admin_routes() -> None:
+    async with running_app(Settings(admin_api_key="sk-admin")) as (c, _):
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        assert_openai_error(await c.post("/start_profile"), 401)
+        assert_openai_error(await c.post("/start_profile", headers={"Authorization": "Bearer nope"}), 401)
+        # authorised, but simulated engines have no profiler: a clear 400
+        assert_openai_error(await c.post("/start_profile", headers={"Authorization": "Bearer sk-admin"}), 400)
+    async with running_app(Settings(api_key=["sk-user"], admin_api_key="sk-admin")) as (c, _):
+        r = await c.post("/start_profile", headers={"Authorization": "Bearer sk-user"})
+        assert_openai_error(r, 403)
