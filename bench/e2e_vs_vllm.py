@@ -189,41 +189,50 @@ def main() -> None:
     profile: dict[str, Any] | None = None
     t_begin = time.monotonic()
     for rnd in range(args.rounds):
-        order = list(args.servers) if rnd % 2 == 0 else list(reversed(args.servers))
-        for kind in order:
-            wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign)
-            port = free_port()
-            srv = make_server(kind, args, port, f"r{rnd}")
-            print(f"[round {rnd + 1}/{args.rounds}] starting {kind} on :{port}", flush=True)
-            srv.start()
-            assert srv.start_s is not None
-            starts[kind].append(srv.start_s)
-            print(f"  ready in {srv.start_s:.0f}s", flush=True)
-            try:
+        # Both servers up at once (an idle one costs ~nothing), runs alternate between them
+        # level by level, so drift from other jobs on the shared cores hits both alike.
+        wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign)
+        servers: dict[str, tuple[Server, int]] = {}
+        try:
+            start_order = list(args.servers) if rnd % 2 == 0 else list(reversed(args.servers))
+            for kind in start_order:
+                port = free_port()
+                srv = make_server(kind, args, port, f"r{rnd}")
+                print(f"[round {rnd + 1}/{args.rounds}] starting {kind} on :{port}", flush=True)
+                srv.start()
+                assert srv.start_s is not None
+                starts[kind].append(srv.start_s)
+                servers[kind] = (srv, port)
+                print(f"  ready in {srv.start_s:.0f}s", flush=True)
                 warm_up(port, args.served_name)
-                for c in args.concurrency:
-                    row = undisturbed(args, [srv.pid], lambda c=c: bench_serve(
+            pids = [srv.pid for srv, _ in servers.values()]
+            for li, c in enumerate(args.concurrency):
+                order = list(args.servers) if (rnd + li) % 2 == 0 else list(reversed(args.servers))
+                for kind in order:
+                    srv, port = servers[kind]
+                    row = undisturbed(args, pids, lambda c=c, kind=kind, port=port: bench_serve(
                         args, port, c, out_dir, f"{args.name}-{kind}-r{rnd}-c{c}.json"))
                     row.update(server=kind, round=rnd, concurrency=c)
                     runs.append(row)
-                    print(f"  c={c:<3} {row['output_tok_s']:.1f} tok/s  {row['req_s']:.2f} req/s  "
+                    print(f"  {kind:5s} c={c:<3} {row['output_tok_s']:.1f} tok/s  {row['req_s']:.2f} req/s  "
                           f"TTFT p50 {row['ttft_p50_ms']:.0f} ms  ITL p50 {row['itl_p50_ms']:.1f} ms  "
-                          f"failed {row['failed']}  ({row['wall_s']}s, foreign CPU {row['foreign_cores']:.2f})",
+                          f"failed {row['failed']}  ({row['wall_s']}s, others' CPU {row['foreign_cores']:.2f})",
                           flush=True)
-                if args.profile and kind == "ours" and rnd == 0:
-                    # an extra, unmeasured run under py-spy (its sampling is not in the numbers above)
-                    c = args.profile_conc
-                    name = f"profile_e2e_ours_c{c}"
-                    wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign,
-                                   pids=[srv.pid])
-                    spy = pyspy_start(srv.pid, name, duration=args.profile_seconds)
-                    row = bench_serve(args, port, c, out_dir, f"{args.name}-profile.json", n=args.profile_prompts)
-                    profile = pyspy_finish(spy, name, f"npu-gateway API process under vllm bench serve c={c}")
-                    if profile is not None:
-                        profile["load"] = {"concurrency": c, "num_prompts": args.profile_prompts,
-                                           "output_tok_s": row["output_tok_s"], "duration_s": row["duration_s"]}
-                        print(f"  profiled c={c}: {profile['samples']} samples -> results/{name}.svg", flush=True)
-            finally:
+            if args.profile and "ours" in servers and rnd == 0:
+                # an extra, unmeasured run under py-spy (its sampling is not in the numbers above)
+                srv, port = servers["ours"]
+                c = args.profile_conc
+                name = f"profile_e2e_ours_c{c}"
+                wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign, pids=pids)
+                spy = pyspy_start(srv.pid, name, duration=args.profile_seconds)
+                row = bench_serve(args, port, c, out_dir, f"{args.name}-profile.json", n=args.profile_prompts)
+                profile = pyspy_finish(spy, name, f"npu-gateway API process under vllm bench serve c={c}")
+                if profile is not None:
+                    profile["load"] = {"concurrency": c, "num_prompts": args.profile_prompts,
+                                       "output_tok_s": row["output_tok_s"], "duration_s": row["duration_s"]}
+                    print(f"  profiled c={c}: {profile['samples']} samples -> results/{name}.svg", flush=True)
+        finally:
+            for srv, _ in servers.values():
                 srv.stop()
     total_s = time.monotonic() - t_begin
 

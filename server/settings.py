@@ -35,11 +35,11 @@ class Settings(BaseSettings):
     log_level: str = Field("info", description="log level")
     # --- models ---
     model: str | None = Field(None, description="local Hugging Face folder; default: the embedded SmolLM2")
-    served_model_name: list[str] = Field(default_factory=list, description="names (aliases) the model is served under")
+    served_model_name: Entries = Field(default_factory=list, description="names (aliases) the model is served under")
     embedding_model: str | None = Field(
         "embedded", description="embedding model folder, 'embedded' (all-MiniLM-L6-v2) or 'none'"
     )
-    embedding_served_model_name: list[str] = Field(default_factory=list, description="names of the embedding model")
+    embedding_served_model_name: Entries = Field(default_factory=list, description="names of the embedding model")
     backend: Literal["vllm", "simulated"] = Field("vllm", description="engine backend (simulated: benchmarks/tests)")
     device: Literal["auto", "npu", "cuda", "cpu"] = Field("auto", description="device; auto detects")
     # --- vLLM engine args ---
@@ -68,7 +68,7 @@ class Settings(BaseSettings):
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="request body limit")
     sse_keep_alive_interval: float = Field(15.0, gt=0, description="seconds between SSE keep-alive comments")
     # --- auth ---
-    api_key: list[str] = Field(default_factory=list, description="accepted API keys (repeatable)")
+    api_key: Entries = Field(default_factory=list, description="accepted API keys (repeatable)")
     api_keys_file: Path | None = Field(None, description="YAML keys file (sha256 of keys, limits)")
     metrics_api_key: str | None = Field(None, description="key required for /metrics")
     admin_api_key: str | None = Field(None, description="key for admin routes (default: any --api-key)")
