@@ -99,7 +99,9 @@ def make_target(kind: str, port: int, upstream: str, tmp: Path, args: argparse.N
             "litellm_settings:\n"
             "  telemetry: false\n"
         )
+        # no auth anywhere (our gateway runs without --api-key too)
         env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False",
+               "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
                "DISABLE_ADMIN_UI": "True", "NO_DOCS": "True"}
         argv = [str(PEERS_BIN / "litellm"), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port),
                 "--num_workers", "1"]
@@ -117,7 +119,7 @@ def wrk(url: str, c: int, seconds: float, pid: int) -> dict[str, Any]:
     env = {**os.environ, "WRK_BODY": json.dumps(BODY)}
     cpu0 = tree_cpu(pid)
     t0 = time.monotonic()
-    p = subprocess.run(["wrk", "-t1", f"-c{c}", f"-d{seconds}s", "--timeout", "10s", "-s",
+    p = subprocess.run(["wrk", "-t1", f"-c{c}", f"-d{max(1, round(seconds))}s", "--timeout", "10s", "-s",
                         str(BENCH / "wrk_post.lua"), url], capture_output=True, text=True, env=env,
                        timeout=seconds + 60)
     wall = time.monotonic() - t0
@@ -139,7 +141,7 @@ def wrk(url: str, c: int, seconds: float, pid: int) -> dict[str, Any]:
 
 def streams(url: str, c: int, seconds: float, pid: int) -> dict[str, Any]:
     p = subprocess.run([str(MAIN_PY), str(BENCH / "loadgen.py"), "--url", url, "--model", MODEL, "--stream",
-                        "--concurrency", str(c), "--duration", str(seconds), "--warmup", "1",
+                        "--concurrency", str(c), "--duration", str(seconds), "--warmup", str(min(1.0, seconds / 4)),
                         "--measure-pid", str(pid), "--timeout", "30"],
                        capture_output=True, text=True, timeout=seconds + 90)
     if p.returncode != 0:

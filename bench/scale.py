@@ -44,17 +44,18 @@ from _common import (  # noqa: E402
     pyspy_start,
     save_json,
     table,
+    tree_cpu,
     undisturbed,
     versions,
     wait_for_quiet,
 )
 
 
-def gateway(port: int, ttft: float, itl: float, tag: str, extra: list[str]) -> Server:
+def gateway(port: int, ttft: float, itl: float, tag: str, extra: list[str], ready: str = "/ready") -> Server:
     argv = [str(GATEWAY), "serve", "--backend", "simulated", "--simulated-ttft", str(ttft),
             "--simulated-itl", str(itl), "--embedding-model", "none", "--port", str(port),
             "--max-num-seqs", "8192", "--max-queue-size", "8192", "--log-level", "warning", *extra]
-    return Server(f"scale-{tag}", argv, f"http://127.0.0.1:{port}/ready", ready_timeout=60)
+    return Server(f"scale-{tag}", argv, f"http://127.0.0.1:{port}{ready}", ready_timeout=60)
 
 
 def loadgen(*args: Any, timeout: float = 300) -> dict[str, Any]:
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--duration", type=float, default=12.0, help="seconds per level, warm-up included")
     ap.add_argument("--warmup", type=float, default=4.0)
+    ap.add_argument("--idle-seconds", type=float, default=10.0)
     ap.add_argument("--hold", type=int, nargs="+", default=[1000, 2000], help="idle streams for the memory test")
     ap.add_argument("--gw-extra", default="", help="extra flags for npu-gateway serve")
     ap.add_argument("--profile", action="store_true", help="py-spy the gateway during an extra c=500 run")
@@ -89,6 +91,12 @@ def main() -> None:
     levels: list[dict[str, Any]] = []
     profile = None
     with gateway(port, args.ttft, args.itl, "stream", extra) as srv:
+        # the idle cost (readiness probes, device monitor, keep-alive timers)
+        time.sleep(2)
+        c0 = tree_cpu(srv.pid)
+        time.sleep(args.idle_seconds)
+        idle_cores = (tree_cpu(srv.pid) - c0) / args.idle_seconds
+        print(f"idle gateway: {idle_cores:.4f} cores over {args.idle_seconds:.0f}s", flush=True)
         loadgen("--url", url, "--model", "simulated", "--stream", "--concurrency", 8, "--duration", 2,
                 "--warmup", 0.5, "--max-tokens", args.max_tokens)
         for c in args.levels:
@@ -131,7 +139,8 @@ def main() -> None:
     for n in args.hold:
         wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign)
         port = free_port()
-        with gateway(port, 3600.0, args.itl, f"idle{n}", extra) as srv:
+        # /health: /ready waits for a probe generation, which takes the hour too
+        with gateway(port, 3600.0, args.itl, f"idle{n}", extra, ready="/health") as srv:
             # touch every code path once so lazy imports and caches are not counted
             loadgen("--url", f"http://127.0.0.1:{port}/v1/chat/completions", "--model", "simulated", "--hold", 8,
                     "--stream", "--duration", 30, "--settle", 0.5)
@@ -159,6 +168,7 @@ def main() -> None:
         "versions": versions(MAIN_PY, ["npu-gateway", "fastapi", "starlette", "uvicorn", "uvloop", "httptools",
                                        "pydantic", "orjson", "aiohttp"]),
         "config": vars(args),
+        "idle_cores": idle_cores,
         "levels": levels,
         "idle_memory": memory,
         "table_md": txt,

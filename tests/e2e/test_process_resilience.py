@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -153,7 +154,9 @@ def test_schemathesis_no_5xx_and_responses_match_schema(tmp_path: Path) -> None:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "NO_COLOR": "1"})
         out = run.stdout + run.stderr
         assert run.returncode == 0, out[-6000:]
-        assert "/v1/chat/completions" in out  # the operations were exercised
+        tested = re.search(r"Tested:\s+(\d+)", out)
+        assert tested is not None and int(tested.group(1)) >= 12, out[-3000:]  # every operation was exercised
+        assert re.search(r"(\d+) generated", out) and int(re.search(r"(\d+) generated", out).group(1)) >= 300  # type: ignore[union-attr]
     finally:
         gw.stop()
     assert "Traceback" not in gw.log()
