@@ -36,6 +36,8 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         names = tuple(s.served_model_name) or ("simulated",)
         sim = SimulatedConfig(ttft=s.simulated_ttft, itl=s.simulated_itl, max_model_len=s.max_model_len or 4096)
         specs = [ModelSpec(names=names, backend="simulated", simulated=sim, root="simulated", **common)]  # type: ignore[arg-type]
+        for extra_names, path in s.extra_models():
+            specs.append(ModelSpec(names=extra_names, backend="simulated", simulated=sim, root=path, **common))  # type: ignore[arg-type]
         if s.embedding_enabled:
             specs.append(
                 ModelSpec(
@@ -69,6 +71,10 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         profile_dir=str(s.profile_dir.resolve()) if s.profile_dir else None,
     )
     specs = [ModelSpec(names=names, backend="vllm", vllm=engine, root=str(path), **common)]  # type: ignore[arg-type]
+    for extra_names, extra in s.extra_models():
+        extra_dir, _ = resolve_model(extra)
+        cfg = replace(engine, model=str(extra_dir), served_model_name=extra_names[0], profile_frontend=False)
+        specs.append(ModelSpec(names=extra_names, backend="vllm", vllm=cfg, root=str(extra_dir), **common))  # type: ignore[arg-type]
     if s.embedding_enabled:
         emb_arg = None if s.embedding_model == "embedded" else s.embedding_model
         emb_path, emb_name = resolve_model(emb_arg or EMBEDDED_EMBEDDING_NAME)

@@ -40,6 +40,10 @@ class Settings(BaseSettings):
         "embedded", description="embedding model folder, 'embedded' (all-MiniLM-L6-v2) or 'none'"
     )
     embedding_served_model_name: Entries = Field(default_factory=list, description="names of the embedding model")
+    extra_model: Entries = Field(
+        default_factory=list,
+        description="more generator models, each with its own pool: NAME[,ALIAS...]=PATH (repeatable)",
+    )
     backend: Literal["vllm", "simulated"] = Field("vllm", description="engine backend (simulated: benchmarks/tests)")
     device: Literal["auto", "npu", "cuda", "cpu"] = Field("auto", description="device; auto detects")
     # --- vLLM engine args ---
@@ -114,6 +118,22 @@ class Settings(BaseSettings):
         if isinstance(v, str):
             return [s for s in (p.strip() for p in v.split(",")) if s]
         return v
+
+    @field_validator("extra_model")
+    @classmethod
+    def _extra_models(cls, v: list[str]) -> list[str]:
+        for item in v:
+            names, sep, path = item.partition("=")
+            if not sep or not names.strip() or not path.strip():
+                raise ValueError(f"--extra-model {item!r}: expected NAME[,ALIAS...]=PATH")
+        return v
+
+    def extra_models(self) -> list[tuple[tuple[str, ...], str]]:
+        out = []
+        for item in self.extra_model:
+            names, _, path = item.partition("=")
+            out.append((tuple(n.strip() for n in names.split(",") if n.strip()), path.strip()))
+        return out
 
     @field_validator("upstream", "upstream_tokenizer", "alias", "fallback", mode="before")
     @classmethod

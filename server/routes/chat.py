@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,7 @@ from server.streaming import guarded, sse_response, until_disconnect
 from server.tools import ToolPlan, plan_tools
 from server.validation import build_chat_request, chat_prompt, new_id, structured_from
 
+logger = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
 
 
@@ -29,6 +31,8 @@ router = APIRouter(tags=["openai"])
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, gw: GatewayDep, principal: AuthDep
 ) -> Response:
+    if body.model_extra:
+        logger.debug("ignoring unknown fields: %s", ", ".join(body.unknown_fields()))
     model = gw.resolve(body.model)
     principal.check_model(model.id)
     pool = model.pool

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +22,7 @@ from server.state import ServedModel
 from server.streaming import guarded, merge, sse_response, until_disconnect
 from server.validation import build_completion_request, completion_prompts, new_id
 
+logger = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
 
 
@@ -28,6 +30,8 @@ router = APIRouter(tags=["openai"])
 async def create_completion(
     body: CompletionRequest, request: Request, gw: GatewayDep, principal: AuthDep
 ) -> Response:
+    if body.model_extra:
+        logger.debug("ignoring unknown fields: %s", ", ".join(body.unknown_fields()))
     model = gw.resolve(body.model)
     principal.check_model(model.id)
     pool = model.pool

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import logging
 import struct
 from typing import Any
 
@@ -19,6 +20,7 @@ from server.routes.docs import ERRORS
 from server.streaming import until_disconnect
 from server.validation import deadline_after, new_id, prompt_inputs
 
+logger = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
 
 
@@ -37,6 +39,8 @@ def _inputs(body: EmbeddingRequest, tokenizer: Tokenizer) -> list[list[int]]:
 async def create_embeddings(
     body: EmbeddingRequest, request: Request, gw: GatewayDep, principal: AuthDep
 ) -> Response:
+    if body.model_extra:
+        logger.debug("ignoring unknown fields: %s", ", ".join(body.unknown_fields()))
     model = gw.resolve(body.model, kind="embed")
     principal.check_model(model.id)
     pool = model.pool

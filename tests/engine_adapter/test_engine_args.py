@@ -69,3 +69,20 @@ def test_flags_win_over_env_and_bad_values_fail(monkeypatch: pytest.MonkeyPatch)
     assert settings_from_args(parse(["--port", "9002"])).port == 9002
     with pytest.raises(ValueError):
         settings_from_args(parse(["--tensor-parallel-size", "0"]))
+
+
+def test_extra_models_get_their_own_specs(model_dir: str) -> None:
+    s = settings_from_args(parse([
+        "--served-model-name", "main", "--extra-model", f"second,second-alias={model_dir}",
+        "--extra-model", f"third={model_dir}", "--tensor-parallel-size", "2",
+    ]))
+    specs = model_specs(s)
+    assert [sp.names for sp in specs] == [
+        ("main",), ("second", "second-alias"), ("third",), ("all-MiniLM-L6-v2",),
+    ]
+    assert all(sp.vllm is not None for sp in specs)
+    second = specs[1].vllm
+    assert second is not None and second.served_model_name == "second" and second.tensor_parallel_size == 2
+    assert second.model == model_dir
+    with pytest.raises(ValueError):
+        settings_from_args(parse(["--extra-model", "no-path"]))

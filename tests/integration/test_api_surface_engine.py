@@ -278,3 +278,9 @@ def test_models_list_both_models(client: openai.OpenAI) -> None:
     assert {EMBEDDED, EMBEDDING} <= set(data)
     assert data[EMBEDDED].max_model_len == 2048  # type: ignore[attr-defined]
     assert data[EMBEDDING].max_model_len == 256  # type: ignore[attr-defined]
+
+
+def test_priority_field_is_accepted_by_the_engine(client: openai.OpenAI) -> None:
+    # fcfs engines ignore it, priority engines order by it; it must never break a request
+    r = chat(client, temperature=0, max_tokens=8, extra_body={"priority": 5, "unknown_future_field": True})
+    assert "Paris" in text(r)

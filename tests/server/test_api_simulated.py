@@ -309,3 +309,39 @@ async def test_admin_key_alone_guards_only_admin_routes() -> None:
     async with running_app(Settings(api_key=["sk-user"], admin_api_key="sk-admin")) as (c, _):
         r = await c.post("/start_profile", headers={"Authorization": "Bearer sk-user"})
         assert_openai_error(r, 403)
+
+
+@pytest.mark.asyncio
+async def test_several_models_each_with_its_own_pool() -> None:
+    from server.app import create_app
+    from server.models_setup import build_served_pools
+    from engine_adapter.metrics import EngineMetrics
+    from prometheus_client import CollectorRegistry
+
+    s = Settings(backend="simulated", served_model_name=["a"], extra_model=["b,b2=/models/b"], embedding_model="none")
+    pools = build_served_pools(s, EngineMetrics(CollectorRegistry()))
+    assert [names for _, names, _ in pools] == [("a",), ("b", "b2")]
+    app = create_app(s, pools=pools)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            models = {m["id"]: m for m in (await c.get("/v1/models")).json()["data"]}
+            assert models["b2"]["parent"] == "b" and models["b"]["root"] == "/models/b"
+            for name in ("a", "b", "b2"):
+                r = await c.post("/v1/chat/completions", json={**CHAT, "model": name})
+                assert r.status_code == 200 and r.json()["model"] == name
+            gw = app.state.gateway
+            assert gw.models["a"].pool is not gw.models["b"].pool
+            assert gw.models["b"].pool is gw.models["b2"].pool
+
+
+@pytest.mark.asyncio
+async def test_metrics_key_and_long_prompt(client: httpx.AsyncClient) -> None:
+    long_prompt = {**CHAT, "max_tokens": 1, "messages": [{"role": "user", "content": "x" * 400}]}
+    err = assert_openai_error(await client.post("/v1/chat/completions", json=long_prompt), 400)
+    assert err["code"] == "context_length_exceeded" and "256" in str(err["message"])
+    async with running_app(Settings(metrics_api_key="sk-metrics", api_key=["sk-user"])) as (c, _):
+        assert_openai_error(await c.get("/metrics"), 401)
+        assert_openai_error(await c.get("/metrics", headers={"Authorization": "Bearer sk-user"}), 401)
+        ok = await c.get("/metrics", headers={"Authorization": "Bearer sk-metrics"})
+        assert ok.status_code == 200 and "npugw_http_requests_total" in ok.text
+        assert (await c.get("/health")).status_code == 200 and (await c.get("/ready")).status_code == 200
