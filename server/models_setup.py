@@ -36,8 +36,8 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         names = tuple(s.served_model_name) or ("simulated",)
         sim = SimulatedConfig(ttft=s.simulated_ttft, itl=s.simulated_itl, max_model_len=s.max_model_len or 4096)
         specs = [ModelSpec(names=names, backend="simulated", simulated=sim, root="simulated", **common)]  # type: ignore[arg-type]
-        for extra_names, path in s.extra_models():
-            specs.append(ModelSpec(names=extra_names, backend="simulated", simulated=sim, root=path, **common))  # type: ignore[arg-type]
+        for extra_names, where in s.extra_models():
+            specs.append(ModelSpec(names=extra_names, backend="simulated", simulated=sim, root=where, **common))  # type: ignore[arg-type]
         if s.embedding_enabled:
             specs.append(
                 ModelSpec(

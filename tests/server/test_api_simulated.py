@@ -313,10 +313,11 @@ async def test_admin_key_alone_guards_only_admin_routes() -> None:
 
 @pytest.mark.asyncio
 async def test_several_models_each_with_its_own_pool() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from engine_adapter.metrics import EngineMetrics
     from server.app import create_app
     from server.models_setup import build_served_pools
-    from engine_adapter.metrics import EngineMetrics
-    from prometheus_client import CollectorRegistry
 
     s = Settings(backend="simulated", served_model_name=["a"], extra_model=["b,b2=/models/b"], embedding_model="none")
     pools = build_served_pools(s, EngineMetrics(CollectorRegistry()))
