@@ -21,11 +21,11 @@ import heapq
 import itertools
 import logging
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+from engine_adapter.channel import END, TICK, Ticker
 from engine_adapter.errors import (
     EngineDead,
     EngineError,
@@ -33,9 +33,9 @@ from engine_adapter.errors import (
     QueueFull,
     QueueTimeout,
     RequestTimeout,
-    ServiceUnavailable,
     ShuttingDown,
 )
+from engine_adapter.readiness import probe_once
 from engine_adapter.types import (
     EmbeddingRequest,
     Engine,
@@ -43,39 +43,12 @@ from engine_adapter.types import (
     EngineStats,
     GenerationRequest,
     ModelCard,
-    SamplingOptions,
     Tokenizer,
 )
 
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[int], Engine]
-_END = object()
-_TICK = object()
-
-
-class _Ticker:
-    """Puts _TICK into a channel whenever nothing else came for `every` s."""
-
-    __slots__ = ("_handle", "_loop", "channel", "every", "seen")
-
-    def __init__(self, channel: asyncio.Queue[object], every: float) -> None:
-        self.channel = channel
-        self.every = every
-        self.seen = False
-        self._loop = asyncio.get_running_loop()
-        self._handle = self._loop.call_later(every, self._fire)
-
-    def _fire(self) -> None:
-        if not self.seen:
-            self.channel.put_nowait(_TICK)
-        self.seen = False
-        self._handle = self._loop.call_later(self.every, self._fire)
-
-    def stop(self) -> None:
-        self._handle.cancel()
-
-
 @dataclass(slots=True)
 class Worker:
     index: int
@@ -323,7 +296,7 @@ class WorkerPool:
                 else:
                     acquire.cancel()
                 raise
-        ticker = _Ticker(channel, idle_tick) if idle_tick else None
+        ticker = Ticker(channel, idle_tick) if idle_tick else None
         producer = asyncio.ensure_future(self._pump(w, req, channel))
         w.tasks.add(producer)
         self._running += 1
@@ -339,9 +312,9 @@ class WorkerPool:
                     item = channel.get_nowait()
                 except asyncio.QueueEmpty:
                     item = await channel.get()
-                if item is _END:
+                if item is END:
                     return
-                if item is _TICK:
+                if item is TICK:
                     yield None
                     continue
                 if ticker is not None:
@@ -385,7 +358,7 @@ class WorkerPool:
             async for out in w.engine.generate(req):
                 channel.put_nowait(out)
             w.last_ready = time.monotonic()
-            channel.put_nowait(_END)
+            channel.put_nowait(END)
         except asyncio.CancelledError:
             await self._abort_quietly(w, req.request_id)
             if not self._accepting:
@@ -467,7 +440,7 @@ class WorkerPool:
         if not w.alive:
             return
         try:
-            await asyncio.wait_for(self._probe_once(w), self.probe_timeout)
+            await asyncio.wait_for(probe_once(w.engine, self.name), self.probe_timeout)
         except (TimeoutError, asyncio.TimeoutError):
             logger.warning("%s worker %d: readiness probe timed out", self.name, w.index)
             return
@@ -478,28 +451,6 @@ class WorkerPool:
             logger.warning("%s worker %d: readiness probe failed: %s", self.name, w.index, e)
             return
         w.last_ready = time.monotonic()
-
-    async def _probe_once(self, w: Worker) -> None:
-        await w.engine.health()
-        if w.engine.card.kind == "embed":
-            await w.engine.embed(
-                EmbeddingRequest(f"probe-{uuid.uuid4().hex}", self.name, ((1,),))
-            )
-            return
-        eos = w.engine.tokenizer.eos_token_id
-        req = GenerationRequest(
-            request_id=f"probe-{uuid.uuid4().hex}",
-            model=self.name,
-            prompt_token_ids=(eos if eos is not None else 0,),
-            sampling=SamplingOptions(max_tokens=1, temperature=0.0, ignore_eos=True),
-        )
-        gen = w.engine.generate(req)
-        try:
-            async for _ in gen:
-                pass
-        except asyncio.CancelledError:
-            await self._abort_quietly(w, req.request_id)
-            raise
 
     async def _probe_loop(self, w: Worker) -> None:
         # A finished real request counts as a probe, so a busy worker is not
@@ -522,7 +473,3 @@ class WorkerPool:
             if w.alive and w.last_ready is not None and now - w.last_ready <= self.readiness_interval
         )
 
-
-def check_available(pool: WorkerPool) -> None:
-    if not pool.alive_workers():
-        raise ServiceUnavailable(f"model {pool.name!r} has no live worker")
