@@ -216,7 +216,7 @@ class Server:
         self.start_s: float | None = None
 
     def start(self) -> Server:
-        log = open(self.log_path, "wb")  # noqa: SIM115 - closed by the child's exit
+        log = open(self.log_path, "wb")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd, start_new_session=True
@@ -322,7 +322,7 @@ def pyspy_start(pid: int, name: str, duration: int, rate: int = 100) -> subproce
         return None
     out = RESULTS / f"{name}.folded"
     LOGS.mkdir(parents=True, exist_ok=True)
-    log = open(LOGS / f"{name}.pyspy.log", "wb")  # noqa: SIM115
+    log = open(LOGS / f"{name}.pyspy.log", "wb")
     return subprocess.Popen(
         [str(spy), "record", "--pid", str(pid), "--duration", str(duration), "--rate", str(rate),
          "--format", "raw", "--nonblocking", "-o", str(out)],

@@ -23,16 +23,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from _common import (
     BENCH,
-    add_quiet_args,
-    undisturbed,
     GATEWAY,
     MAIN_PY,
     MODEL_DIR,
     MODEL_NAME,
     RESULTS,
     Server,
+    add_quiet_args,
     free_port,
     machine_info,
     median,
@@ -41,11 +40,14 @@ from _common import (  # noqa: E402
     pyspy_start,
     save_json,
     table,
+    tree_cpu,
+    undisturbed,
     versions,
     wait_for_quiet,
 )
 
 METRICS = {
+    "api_cpu_us_per_token": "api_cpu_us_per_token",
     "output_tok_s": "output_throughput",
     "req_s": "request_throughput",
     "ttft_p50_ms": "median_ttft_ms",
@@ -118,8 +120,22 @@ def warm_up(port: int, name: str, n: int = 3) -> None:
             r.read()
 
 
+def api_cpu(pid: int | None) -> tuple[float, float]:
+    """(CPU s of the API server process itself, CPU s of the rest of its tree: the engine)."""
+    if pid is None:
+        return 0.0, 0.0
+    import psutil
+
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0, 0.0
+    own = t.user + t.system
+    return own, tree_cpu(pid) - own
+
+
 def bench_serve(args: argparse.Namespace, port: int, c: int, out_dir: Path, fname: str,
-                n: int | None = None) -> dict[str, Any]:
+                n: int | None = None, pid: int | None = None) -> dict[str, Any]:
     n = n or max(args.min_prompts, args.prompts_per_conc * c)
     out_len = args.output_len_c64 if (c >= 64 and args.output_len_c64) else args.output_len
     argv = [str(args.python), str(BENCH / "vllm_cli.py"), "bench", "serve",
@@ -136,14 +152,22 @@ def bench_serve(args: argparse.Namespace, port: int, c: int, out_dir: Path, fnam
             "--disable-tqdm", "--save-result", "--result-dir", str(out_dir), "--result-filename", fname]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     t0 = time.monotonic()
+    a0, e0 = api_cpu(pid)
     p = subprocess.run(argv, capture_output=True, text=True, timeout=args.run_timeout, env=env)
+    a1, e1 = api_cpu(pid)
     wall = time.monotonic() - t0
     if p.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     raw = json.loads((out_dir / fname).read_text())
     row = {k: raw.get(v) for k, v in METRICS.items()}
+    row["api_cpu_us_per_token"] = None
     row.update(completed=raw.get("completed"), failed=raw.get("failed", 0), num_prompts=n, output_len=out_len,
                duration_s=raw.get("duration"), wall_s=round(wall, 1))
+    toks = raw.get("total_output_tokens") or 0
+    if pid is not None and toks:
+        # the API server process (HTTP, chat template, tokenization, detokenization, SSE) vs the engine
+        row.update(api_cpu_s=round(a1 - a0, 3), engine_cpu_s=round(e1 - e0, 3),
+                   api_cpu_us_per_token=1e6 * (a1 - a0) / toks)
     return row
 
 
@@ -210,8 +234,8 @@ def main() -> None:
                 order = list(args.servers) if (rnd + li) % 2 == 0 else list(reversed(args.servers))
                 for kind in order:
                     srv, port = servers[kind]
-                    row = undisturbed(args, pids, lambda c=c, kind=kind, port=port: bench_serve(
-                        args, port, c, out_dir, f"{args.name}-{kind}-r{rnd}-c{c}.json"))
+                    row = undisturbed(args, pids, lambda c=c, kind=kind, port=port, srv=srv, rnd=rnd: bench_serve(
+                        args, port, c, out_dir, f"{args.name}-{kind}-r{rnd}-c{c}.json", pid=srv.pid))
                     row.update(server=kind, round=rnd, concurrency=c)
                     runs.append(row)
                     print(f"  {kind:5s} c={c:<3} {row['output_tok_s']:.1f} tok/s  {row['req_s']:.2f} req/s  "
@@ -255,19 +279,21 @@ def main() -> None:
         summary.append(entry)
 
     headers = ["c", "server", "out tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-               "others' CPU (max, cores)"]
+               "API process CPU µs/token", "others' CPU (max, cores)"]
     rows = []
     for e in summary:
         for kind in args.servers:
             rows.append([e["concurrency"], kind, *(
                 f"{e[f'{kind}_{m}']:.1f} ({e[f'{kind}_{m}_min']:.1f}–{e[f'{kind}_{m}_max']:.1f})"
                 if e[f"{kind}_{m}"] is not None else "–"
-                for m in ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")),
+                for m in ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                          "api_cpu_us_per_token")),
                 e[f"{kind}_foreign_cores_max"]])
         if "ratio_output_tok_s" in e:
             rows.append([e["concurrency"], "**ours/vLLM**", *(
                 f"{e[f'ratio_{m}']:.3f}" if e[f"ratio_{m}"] else "–"
-                for m in ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")), ""])
+                for m in ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                          "api_cpu_us_per_token")), ""])
     txt = table(headers, rows)
     print("\nmedian over rounds (min–max)\n" + txt)
     print("start-up s: " + ", ".join(f"{k} {[round(x) for x in v]}" for k, v in starts.items()))

@@ -47,7 +47,7 @@ def _chunk(data: bytes) -> bytes:
 
 
 class Handler(asyncio.Protocol):
-    __slots__ = ("cfg", "transport", "parser", "url", "body", "method", "paused", "_resume")
+    __slots__ = ("_resume", "body", "cfg", "method", "parser", "paused", "transport", "url")
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -118,7 +118,9 @@ class Handler(asyncio.Protocol):
             model = str(req.get("model", "fake"))
             if req.get("stream"):
                 usage = bool((req.get("stream_options") or {}).get("include_usage"))
-                asyncio.ensure_future(self._stream(chat, model, usage, keep))
+                task = asyncio.ensure_future(self._stream(chat, model, usage, keep))
+                _TASKS.add(task)
+                task.add_done_callback(_TASKS.discard)
             else:
                 self._send_simple(b"200 OK", _full(chat, model, self.cfg.chunks), keep)
             return
@@ -164,6 +166,7 @@ class Handler(asyncio.Protocol):
 
 
 MODELS = b""
+_TASKS: set[asyncio.Future[None]] = set()
 _CREATED = int(time.time())
 _WORD = "tok"
 

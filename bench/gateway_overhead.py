@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from _common import (
     BENCH,
     GATEWAY,
     MAIN_PY,
@@ -42,6 +42,8 @@ from _common import (  # noqa: E402
     machine_info,
     median,
     plot,
+    pyspy_finish,
+    pyspy_start,
     save_json,
     table,
     tree_cpu,
@@ -173,6 +175,8 @@ def main() -> None:
     ap.add_argument("--ours-tokenizer", default="simulated",
                     help="tokenizer of the gateway's remote model: simulated (byte) or a folder")
     add_quiet_args(ap)
+    ap.add_argument("--profile", action="store_true", help="py-spy our gateway (extra runs, round 1)")
+    ap.add_argument("--profile-seconds", type=int, default=15)
     ap.add_argument("--name", default="gateway_overhead")
     args = ap.parse_args()
     if "ours" in args.targets and not REMOTE_BACKEND.exists():
@@ -206,13 +210,27 @@ def main() -> None:
                     wrk(url, 8, 1, pid)  # warm-up
                     pids = [pid, up.pid] if pid != up.pid else [pid]
                     res = {
-                        "ns_c1": undisturbed(args, pids, lambda: wrk(url, 1, args.latency_seconds, pid)),
-                        "ns_c64": undisturbed(args, pids, lambda: wrk(url, hc, args.load_seconds, pid)),
-                        "st_c1": undisturbed(args, pids, lambda: streams(url, 1, args.latency_seconds, pid)),
-                        "st_c64": undisturbed(args, pids, lambda: streams(url, hc, args.load_seconds, pid)),
+                        "ns_c1": undisturbed(args, pids, lambda url=url, pid=pid: wrk(url, 1, args.latency_seconds, pid)),
+                        "ns_c64": undisturbed(args, pids, lambda url=url, pid=pid: wrk(url, hc, args.load_seconds, pid)),
+                        "st_c1": undisturbed(args, pids, lambda url=url, pid=pid: streams(url, 1, args.latency_seconds, pid)),
+                        "st_c64": undisturbed(args, pids, lambda url=url, pid=pid: streams(url, hc, args.load_seconds, pid)),
                     }
                     if srv is not None:
                         res["start_s"] = srv.start_s
+                    if args.profile and kind == "ours" and rnd == 0:
+                        # extra, unmeasured runs under py-spy: non-stream (wrk) then streams (loadgen)
+                        for mode in ("nonstream", "stream"):
+                            name = f"profile_overhead_ours_{mode}_c{hc}"
+                            spy = pyspy_start(pid, name, duration=args.profile_seconds)
+                            time.sleep(0.3)
+                            if mode == "nonstream":
+                                wrk(url, hc, args.profile_seconds, pid)
+                            else:
+                                streams(url, hc, args.profile_seconds, pid)
+                            prof = pyspy_finish(spy, name, f"npu-gateway remote backend, {mode}, c={hc}")
+                            if prof is not None:
+                                res[f"profile_{mode}"] = f"bench/results/{name}.svg"
+                                print(f"  profiled {mode}: {prof['samples']} samples", flush=True)
                     res["upstream_cpu_note"] = "for 'direct' the CPU columns are the fake upstream's"
                 finally:
                     if srv is not None:

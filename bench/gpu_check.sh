@@ -18,7 +18,7 @@
 #
 # Results: bench/results/gpu_check.json + .png (or gpu_check_cpu_smoke.*), and
 # bench/results/gpu_check.log. Environment knobs: PYTHON (interpreter to start
-# from), GPU_CHECK_BUDGET_S (default 470), GPU_CHECK_EAGER=1 (default; 0 keeps
+# from), GPU_CHECK_BUDGET_S (default 470), GPU_CHECK_ROUNDS (default 1), GPU_CHECK_EAGER=1 (default; 0 keeps
 # CUDA graphs / torch.compile, slower start-up), GPU_MEM_UTIL (default 0.85).
 set -euo pipefail
 
@@ -103,7 +103,7 @@ EOF
 LEFT=$(( BUDGET_S - ($(date +%s) - T0) ))
 echo "time left for the benchmark: ${LEFT}s"
 ARGS=(--model "$MODEL_DIR" --tokenizer "$MODEL_DIR" --served-name "$NAME" --load-format dummy
-      --concurrency 1 16 256 --rounds 1 --input-len 128 --python "$PY" --max-model-len 2048
+      --concurrency 1 16 256 --rounds "${GPU_CHECK_ROUNDS:-1}" --input-len 128 --python "$PY" --max-model-len 2048
       --max-num-seqs 256 --min-prompts 8 --prompts-per-conc 2 --ready-timeout 200 --run-timeout 150)
 if [[ $MODE == cpu ]]; then
   ARGS+=(--device cpu --output-len 32 --name gpu_check_cpu_smoke --max-load 99)

@@ -16,14 +16,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_adapter.backends import vllm as _vb  # noqa: E402
+from engine_adapter.backends import vllm as _vb
 
 _EXTRA = json.loads(os.environ.get("BENCH_VLLM_EXTRA") or "{}")
 _orig = _vb.VllmConfig.engine_kwargs
 
 
-def _engine_kwargs(self: _vb.VllmConfig, device: str) -> dict[str, object]:
-    kw = _orig(self, device)
+def _engine_kwargs(self: _vb.VllmConfig, *args: object, **kwargs: object) -> dict[str, object]:
+    kw = _orig(self, *args, **kwargs)  # (device) or (device, index): the signature has changed before
     kw.update(_EXTRA)
     return kw
 

@@ -154,9 +154,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         tasks = [asyncio.ensure_future(worker()) for _ in range(args.concurrency)]
         await asyncio.sleep(min(args.warmup, args.duration))
         st.in_window = True
-        cpu0 = rss0 = None
+        cpu0 = None
         if args.measure_pid:
-            cpu0, rss0 = _tree(args.measure_pid)
+            cpu0, _ = _tree(args.measure_pid)
         w0 = time.perf_counter()
         c0 = time.process_time()
         _done, pending = await asyncio.wait(tasks, timeout=max(0.0, t_end - time.perf_counter()) + 0.05)

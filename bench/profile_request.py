@@ -112,6 +112,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 (RESULTS / f"profile_request_{name}.html").write_text(prof.output_html())
                 txt = prof.output_text(unicode=False, color=False, show_all=False)
                 (RESULTS / f"profile_request_{name}.txt").write_text(txt)
+                full = prof.output_text(unicode=False, color=False, show_all=True)
+                (RESULTS / f"profile_request_{name}.full.txt").write_text(full)
                 out[name]["profile"] = f"bench/results/profile_request_{name}.html"
     if pyi is None and not args.no_profile:
         print("pyinstrument not found (install bench/.venv-peers); timings only")
