@@ -69,7 +69,9 @@ def gpu_info() -> str:
         try:
             out = subprocess.run(
                 ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20,
+                capture_output=True,
+                text=True,
+                timeout=20,
             )
             return out.stdout.strip() or "nvidia-smi printed nothing"
         except (OSError, subprocess.SubprocessError) as e:
@@ -129,8 +131,9 @@ class ForeignCpu:
         return max(0.0, (_system_busy() - self.sys0) - (_own_cpu(self.pids) - self.own0)) / dt
 
 
-def wait_for_quiet(max_load: float = 1.5, timeout: float = 900.0, max_foreign: float = 0.3,
-                   pids: Sequence[int] = ()) -> float:
+def wait_for_quiet(
+    max_load: float = 1.5, timeout: float = 900.0, max_foreign: float = 0.3, pids: Sequence[int] = ()
+) -> float:
     """Wait (bounded) until the machine is quiet: CPU used over 5 s by
     processes other than ours (`pids`: our running servers) under
     `max_foreign` cores. `max_load` > 50 disables the wait. Returns the last
@@ -177,8 +180,9 @@ def undisturbed(args: Any, pids: Sequence[int], run: Any) -> dict[str, Any]:
 
 def add_quiet_args(ap: Any) -> None:
     ap.add_argument("--max-load", type=float, default=1.5, help="> 50: never wait for a quiet machine")
-    ap.add_argument("--max-foreign", type=float, default=0.3,
-                    help="cores other jobs may use before (5 s sample) and during a run")
+    ap.add_argument(
+        "--max-foreign", type=float, default=0.3, help="cores other jobs may use before (5 s sample) and during a run"
+    )
     ap.add_argument("--retries", type=int, default=1, help="repeats of a disturbed run")
     ap.add_argument("--quiet-timeout", type=float, default=180, help="longest wait for a quiet machine (s)")
 
@@ -225,7 +229,9 @@ class Server:
         last = ""
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}:\n{self.tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}; see {self.log_path}:\n{self.tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.ready_url, timeout=5) as r:
                     if r.status in self.ready_status:
@@ -324,13 +330,29 @@ def pyspy_start(pid: int, name: str, duration: int, rate: int = 100) -> subproce
     LOGS.mkdir(parents=True, exist_ok=True)
     log = open(LOGS / f"{name}.pyspy.log", "wb")
     return subprocess.Popen(
-        [str(spy), "record", "--pid", str(pid), "--duration", str(duration), "--rate", str(rate),
-         "--format", "raw", "--nonblocking", "-o", str(out)],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            str(spy),
+            "record",
+            "--pid",
+            str(pid),
+            "--duration",
+            str(duration),
+            "--rate",
+            str(rate),
+            "--format",
+            "raw",
+            "--nonblocking",
+            "-o",
+            str(out),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
 
 
-def pyspy_finish(proc: subprocess.Popen[bytes] | None, name: str, title: str, timeout: float = 120) -> dict[str, Any] | None:
+def pyspy_finish(
+    proc: subprocess.Popen[bytes] | None, name: str, title: str, timeout: float = 120
+) -> dict[str, Any] | None:
     if proc is None:
         return None
     try:

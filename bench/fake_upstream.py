@@ -174,16 +174,26 @@ _WORD = "tok"
 def _full(chat: bool, model: str, n: int) -> bytes:
     text = " ".join([_WORD] * n)
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": "length"}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": "length",
+        }
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
         obj = "text_completion"
-    return orjson.dumps({
-        "id": "cmpl-fake", "object": obj, "created": _CREATED, "model": model, "choices": [choice],
-        "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n},
-    })
+    return orjson.dumps(
+        {
+            "id": "cmpl-fake",
+            "object": obj,
+            "created": _CREATED,
+            "model": model,
+            "choices": [choice],
+            "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n},
+        }
+    )
 
 
 _EV_CACHE: dict[tuple[bool, str, int, bool], list[bytes]] = {}
@@ -194,8 +204,12 @@ def _events(chat: bool, model: str, n: int, usage: bool) -> list[bytes]:
     got = _EV_CACHE.get(key)
     if got is not None:
         return got
-    head = {"id": "cmpl-fake", "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": _CREATED, "model": model}
+    head = {
+        "id": "cmpl-fake",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": _CREATED,
+        "model": model,
+    }
     out = []
     for i in range(n):
         piece = _WORD if i == 0 else " " + _WORD
@@ -209,8 +223,13 @@ def _events(chat: bool, model: str, n: int, usage: bool) -> list[bytes]:
             c = {"index": 0, "text": piece, "logprobs": None, "finish_reason": "length" if last else None}
         out.append(b"data: " + orjson.dumps({**head, "choices": [c]}) + b"\n\n")
     if usage:
-        out.append(b"data: " + orjson.dumps({**head, "choices": [], "usage": {
-            "prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}) + b"\n\n")
+        out.append(
+            b"data: "
+            + orjson.dumps(
+                {**head, "choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}
+            )
+            + b"\n\n"
+        )
     out.append(b"data: [DONE]\n\n")
     if len(_EV_CACHE) < 64:
         _EV_CACHE[key] = out
@@ -247,8 +266,14 @@ def main() -> None:
     args = ap.parse_args()
     if not args.host.startswith("127.") and args.host not in ("localhost", "::1"):
         raise SystemExit("fake_upstream serves on loopback only")
-    MODELS = orjson.dumps({"object": "list", "data": [
-        {"id": args.model, "object": "model", "created": _CREATED, "owned_by": "fake", "max_model_len": 4096}]})
+    MODELS = orjson.dumps(
+        {
+            "object": "list",
+            "data": [
+                {"id": args.model, "object": "model", "created": _CREATED, "owned_by": "fake", "max_model_len": 4096}
+            ],
+        }
+    )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

@@ -124,8 +124,13 @@ def _color(frame: str) -> str:
     if c.startswith("ours"):
         return "#e0603a"
     palette = {
-        "starlette": "#f2b134", "fastapi": "#f2c94c", "uvicorn": "#e9d66b", "pydantic": "#b5d46b",
-        "asyncio/stdlib": "#9cc3e6", "vllm": "#8fbc8f", "prometheus_client": "#c39bd3",
+        "starlette": "#f2b134",
+        "fastapi": "#f2c94c",
+        "uvicorn": "#e9d66b",
+        "pydantic": "#b5d46b",
+        "asyncio/stdlib": "#9cc3e6",
+        "vllm": "#8fbc8f",
+        "prometheus_client": "#c39bd3",
     }
     return palette.get(c, "#d8d8d8")
 
@@ -161,10 +166,12 @@ def render_svg(path: Path, out: Path, title: str = "", width: int = 1400, row: i
     height = (max_depth + 1) * row + 40
     body = []
     for r in rects:  # flame graph: root at the bottom
+
         def sub(m: re.Match[str]) -> str:
             kind, y = m.group(1), int(m.group(2))
             top = height - 20 - y - row
             return str(top + (row - 4) if kind == "T" else top)
+
         body.append(re.sub(r"\{([YT])(\d+)\}", sub, r))
     svg = (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '

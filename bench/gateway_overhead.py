@@ -86,8 +86,21 @@ def make_target(kind: str, port: int, upstream: str, tmp: Path, args: argparse.N
         # model's tokenizer would add its own cost (set --ours-tokenizer to compare)
         spec = f"{MODEL}={upstream};tokenizer={args.ours_tokenizer}"
         # --backend simulated: the local model is a cheap simulated one, so no vLLM engine starts
-        argv = [str(GATEWAY), "serve", "--backend", "simulated", "--upstream", spec, "--embedding-model", "none",
-                "--port", str(port), "--log-level", "warning", *args.ours_extra.split()]
+        argv = [
+            str(GATEWAY),
+            "serve",
+            "--backend",
+            "simulated",
+            "--upstream",
+            spec,
+            "--embedding-model",
+            "none",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *args.ours_extra.split(),
+        ]
         return Server("overhead-ours", argv, f"http://127.0.0.1:{port}/health", ready_timeout=60)
     if kind == "litellm":
         cfg = tmp / "litellm.yaml"
@@ -102,18 +115,45 @@ def make_target(kind: str, port: int, upstream: str, tmp: Path, args: argparse.N
             "  telemetry: false\n"
         )
         # no auth anywhere (our gateway runs without --api-key too)
-        env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False",
-               "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
-               "DISABLE_ADMIN_UI": "True", "NO_DOCS": "True"}
-        argv = [str(PEERS_BIN / "litellm"), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port),
-                "--num_workers", "1"]
-        return Server("overhead-litellm", argv, f"http://127.0.0.1:{port}/health/liveliness", env=env,
-                      ready_timeout=180)
+        env = {
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "LITELLM_LOG": "ERROR",
+            "LITELLM_TELEMETRY": "False",
+            "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
+            "DISABLE_ADMIN_UI": "True",
+            "NO_DOCS": "True",
+        }
+        argv = [
+            str(PEERS_BIN / "litellm"),
+            "--config",
+            str(cfg),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num_workers",
+            "1",
+        ]
+        return Server(
+            "overhead-litellm", argv, f"http://127.0.0.1:{port}/health/liveliness", env=env, ready_timeout=180
+        )
     if kind == "vllm-router":
-        argv = [str(PEERS_BIN / "vllm-router"), "--worker-urls", upstream, "--host", "127.0.0.1",
-                "--port", str(port), "--policy", "round_robin", "--log-level", "warning"]
-        return Server("overhead-vllm-router", argv, f"http://127.0.0.1:{port}/health", ready_timeout=90,
-                      ready_status=(200, 404))
+        argv = [
+            str(PEERS_BIN / "vllm-router"),
+            "--worker-urls",
+            upstream,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "warning",
+        ]
+        return Server(
+            "overhead-vllm-router", argv, f"http://127.0.0.1:{port}/health", ready_timeout=90, ready_status=(200, 404)
+        )
     raise ValueError(kind)
 
 
@@ -121,41 +161,92 @@ def wrk(url: str, c: int, seconds: float, pid: int) -> dict[str, Any]:
     env = {**os.environ, "WRK_BODY": json.dumps(BODY)}
     cpu0 = tree_cpu(pid)
     t0 = time.monotonic()
-    p = subprocess.run(["wrk", "-t1", f"-c{c}", f"-d{max(1, round(seconds))}s", "--timeout", "10s", "-s",
-                        str(BENCH / "wrk_post.lua"), url], capture_output=True, text=True, env=env,
-                       timeout=seconds + 60)
+    p = subprocess.run(
+        [
+            "wrk",
+            "-t1",
+            f"-c{c}",
+            f"-d{max(1, round(seconds))}s",
+            "--timeout",
+            "10s",
+            "-s",
+            str(BENCH / "wrk_post.lua"),
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=seconds + 60,
+    )
     wall = time.monotonic() - t0
     cpu = tree_cpu(pid) - cpu0
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("WRKJSON ")), None)
     if line is None:
         raise RuntimeError(f"wrk printed no summary: {p.stdout[-2000:]} {p.stderr[-2000:]}")
-    w = json.loads(line[len("WRKJSON "):])
+    w = json.loads(line[len("WRKJSON ") :])
     errors = w["status_errors"] + w["connect_errors"] + w["read_errors"] + w["write_errors"] + w["timeouts"]
     ok = w["requests"] - w["status_errors"]
     dur = w["duration_us"] / 1e6
     return {
-        "concurrency": c, "requests": w["requests"], "ok": ok, "errors": errors,
-        "req_s": ok / dur, "lat_p50_ms": w["p50_us"] / 1000, "lat_p99_ms": w["p99_us"] / 1000,
-        "lat_mean_ms": w["mean_us"] / 1000, "cpu_s": cpu, "cpu_s_per_1k": 1000 * cpu / ok if ok else None,
-        "cpu_util": cpu / wall, "raw": w,
+        "concurrency": c,
+        "requests": w["requests"],
+        "ok": ok,
+        "errors": errors,
+        "req_s": ok / dur,
+        "lat_p50_ms": w["p50_us"] / 1000,
+        "lat_p99_ms": w["p99_us"] / 1000,
+        "lat_mean_ms": w["mean_us"] / 1000,
+        "cpu_s": cpu,
+        "cpu_s_per_1k": 1000 * cpu / ok if ok else None,
+        "cpu_util": cpu / wall,
+        "raw": w,
     }
 
 
 def streams(url: str, c: int, seconds: float, pid: int) -> dict[str, Any]:
-    p = subprocess.run([str(MAIN_PY), str(BENCH / "loadgen.py"), "--url", url, "--model", MODEL, "--stream",
-                        "--concurrency", str(c), "--duration", str(seconds), "--warmup", str(min(1.0, seconds / 4)),
-                        "--measure-pid", str(pid), "--timeout", "30"],
-                       capture_output=True, text=True, timeout=seconds + 90)
+    p = subprocess.run(
+        [
+            str(MAIN_PY),
+            str(BENCH / "loadgen.py"),
+            "--url",
+            url,
+            "--model",
+            MODEL,
+            "--stream",
+            "--concurrency",
+            str(c),
+            "--duration",
+            str(seconds),
+            "--warmup",
+            str(min(1.0, seconds / 4)),
+            "--measure-pid",
+            str(pid),
+            "--timeout",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 90,
+    )
     if p.returncode != 0:
         raise RuntimeError(f"loadgen failed: {p.stderr[-2000:]}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
     ok = r["ok"]
     return {
-        "concurrency": c, "ok": ok, "errors": r["errors"], "error_kinds": r["error_kinds"], "req_s": r["req_s"],
-        "lat_p50_ms": r["lat_p50_ms"], "lat_p99_ms": r["lat_p99_ms"],
-        "ttft_p50_ms": r["ttft_p50_ms"], "ttft_p99_ms": r["ttft_p99_ms"], "chunks_per_req": r["chunks_per_req"],
-        "cpu_s": r.get("server_cpu_s"), "cpu_s_per_1k": 1000 * r["server_cpu_s"] / ok if ok else None,
-        "cpu_util": r.get("server_cpu_util"), "client_cpu_util": r.get("client_cpu_util"),
+        "concurrency": c,
+        "ok": ok,
+        "errors": r["errors"],
+        "error_kinds": r["error_kinds"],
+        "req_s": r["req_s"],
+        "lat_p50_ms": r["lat_p50_ms"],
+        "lat_p99_ms": r["lat_p99_ms"],
+        "ttft_p50_ms": r["ttft_p50_ms"],
+        "ttft_p99_ms": r["ttft_p99_ms"],
+        "chunks_per_req": r["chunks_per_req"],
+        "cpu_s": r.get("server_cpu_s"),
+        "cpu_s_per_1k": 1000 * r["server_cpu_s"] / ok if ok else None,
+        "cpu_util": r.get("server_cpu_util"),
+        "client_cpu_util": r.get("client_cpu_util"),
     }
 
 
@@ -164,16 +255,23 @@ TESTS = ("ns_c1", "ns_c64", "st_c1", "st_c64")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--targets", nargs="+", default=["direct", "ours", "litellm", "vllm-router"],
-                    choices=["direct", "ours", "litellm", "vllm-router"])
+    ap.add_argument(
+        "--targets",
+        nargs="+",
+        default=["direct", "ours", "litellm", "vllm-router"],
+        choices=["direct", "ours", "litellm", "vllm-router"],
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--latency-seconds", type=float, default=5.0, help="c=1 runs")
     ap.add_argument("--load-seconds", type=float, default=8.0, help="c=64 runs")
     ap.add_argument("--high-concurrency", type=int, default=64)
     ap.add_argument("--ours-extra", default="", help="extra flags for npu-gateway serve")
-    ap.add_argument("--ours-tokenizer", default="simulated",
-                    help="tokenizer of the gateway's remote model: simulated (byte) or a folder")
+    ap.add_argument(
+        "--ours-tokenizer",
+        default="simulated",
+        help="tokenizer of the gateway's remote model: simulated (byte) or a folder",
+    )
     add_quiet_args(ap)
     ap.add_argument("--profile", action="store_true", help="py-spy our gateway (extra runs, round 1)")
     ap.add_argument("--profile-seconds", type=int, default=15)
@@ -189,9 +287,21 @@ def main() -> None:
     up_port = free_port()
     upstream = f"http://127.0.0.1:{up_port}"
     runs: list[dict[str, Any]] = []
-    up = Server("overhead-fake-upstream", [str(MAIN_PY), str(BENCH / "fake_upstream.py"), "--port", str(up_port),
-                                           "--chunks", str(args.chunks), "--model", MODEL],
-                f"{upstream}/health", ready_timeout=30)
+    up = Server(
+        "overhead-fake-upstream",
+        [
+            str(MAIN_PY),
+            str(BENCH / "fake_upstream.py"),
+            "--port",
+            str(up_port),
+            "--chunks",
+            str(args.chunks),
+            "--model",
+            MODEL,
+        ],
+        f"{upstream}/health",
+        ready_timeout=30,
+    )
     with up:
         for rnd in range(args.rounds):
             order = list(args.targets) if rnd % 2 == 0 else list(reversed(args.targets))
@@ -210,10 +320,18 @@ def main() -> None:
                     wrk(url, 8, 1, pid)  # warm-up
                     pids = [pid, up.pid] if pid != up.pid else [pid]
                     res = {
-                        "ns_c1": undisturbed(args, pids, lambda url=url, pid=pid: wrk(url, 1, args.latency_seconds, pid)),
-                        "ns_c64": undisturbed(args, pids, lambda url=url, pid=pid: wrk(url, hc, args.load_seconds, pid)),
-                        "st_c1": undisturbed(args, pids, lambda url=url, pid=pid: streams(url, 1, args.latency_seconds, pid)),
-                        "st_c64": undisturbed(args, pids, lambda url=url, pid=pid: streams(url, hc, args.load_seconds, pid)),
+                        "ns_c1": undisturbed(
+                            args, pids, lambda url=url, pid=pid: wrk(url, 1, args.latency_seconds, pid)
+                        ),
+                        "ns_c64": undisturbed(
+                            args, pids, lambda url=url, pid=pid: wrk(url, hc, args.load_seconds, pid)
+                        ),
+                        "st_c1": undisturbed(
+                            args, pids, lambda url=url, pid=pid: streams(url, 1, args.latency_seconds, pid)
+                        ),
+                        "st_c64": undisturbed(
+                            args, pids, lambda url=url, pid=pid: streams(url, hc, args.load_seconds, pid)
+                        ),
                     }
                     if srv is not None:
                         res["start_s"] = srv.start_s
@@ -237,11 +355,14 @@ def main() -> None:
                         srv.stop()
                 runs.append({"target": kind, "round": rnd, **res})
                 ns1, ns64, st1, st64 = (res[t] for t in TESTS)
-                print(f"  non-stream c=1 p50 {ns1['lat_p50_ms']:.3f} ms p99 {ns1['lat_p99_ms']:.3f} ms | "
-                      f"c={hc} {ns64['req_s']:.0f} req/s err {ns64['errors']} cpu/1k {ns64['cpu_s_per_1k']:.2f}s\n"
-                      f"  stream     c=1 p50 {st1['lat_p50_ms']:.3f} ms ttft {st1['ttft_p50_ms']:.3f} ms | "
-                      f"c={hc} {st64['req_s']:.0f} streams/s err {st64['errors']} "
-                      f"cpu/1k {st64['cpu_s_per_1k'] or 0:.2f}s", flush=True)
+                print(
+                    f"  non-stream c=1 p50 {ns1['lat_p50_ms']:.3f} ms p99 {ns1['lat_p99_ms']:.3f} ms | "
+                    f"c={hc} {ns64['req_s']:.0f} req/s err {ns64['errors']} cpu/1k {ns64['cpu_s_per_1k']:.2f}s\n"
+                    f"  stream     c=1 p50 {st1['lat_p50_ms']:.3f} ms ttft {st1['ttft_p50_ms']:.3f} ms | "
+                    f"c={hc} {st64['req_s']:.0f} streams/s err {st64['errors']} "
+                    f"cpu/1k {st64['cpu_s_per_1k'] or 0:.2f}s",
+                    flush=True,
+                )
 
     # ---- medians over rounds; added latency over direct; ratios peer / ours
     agg: dict[str, dict[str, Any]] = {}
@@ -264,17 +385,19 @@ def main() -> None:
             for m in ("lat_p50_ms", "lat_p99_ms", "ttft_p50_ms"):
                 if f"{t}_{m}" in a and f"{t}_{m}" in d:
                     a[f"{t}_added_{m}"] = a[f"{t}_{m}"] - d[f"{t}_{m}"]
-    cols = [("ns_c1_added_lat_p50_ms", "non-stream added p50 ms (c=1)"),
-            ("ns_c1_added_lat_p99_ms", "non-stream added p99 ms (c=1)"),
-            ("ns_c64_req_s", f"non-stream req/s (c={hc})"),
-            ("ns_c64_errors", "errors"),
-            ("ns_c64_cpu_s_per_1k", "CPU s / 1k req"),
-            ("st_c1_added_lat_p50_ms", "stream added p50 ms (c=1)"),
-            ("st_c1_added_lat_p99_ms", "stream added p99 ms (c=1)"),
-            ("st_c1_added_ttft_p50_ms", "stream added TTFT p50 ms"),
-            ("st_c64_req_s", f"streams/s (c={hc})"),
-            ("st_c64_errors", "errors"),
-            ("st_c64_cpu_s_per_1k", "CPU s / 1k streams")]
+    cols = [
+        ("ns_c1_added_lat_p50_ms", "non-stream added p50 ms (c=1)"),
+        ("ns_c1_added_lat_p99_ms", "non-stream added p99 ms (c=1)"),
+        ("ns_c64_req_s", f"non-stream req/s (c={hc})"),
+        ("ns_c64_errors", "errors"),
+        ("ns_c64_cpu_s_per_1k", "CPU s / 1k req"),
+        ("st_c1_added_lat_p50_ms", "stream added p50 ms (c=1)"),
+        ("st_c1_added_lat_p99_ms", "stream added p99 ms (c=1)"),
+        ("st_c1_added_ttft_p50_ms", "stream added TTFT p50 ms"),
+        ("st_c64_req_s", f"streams/s (c={hc})"),
+        ("st_c64_errors", "errors"),
+        ("st_c64_cpu_s_per_1k", "CPU s / 1k streams"),
+    ]
     rows = []
     for kind in args.targets:
         a = agg[kind]
@@ -285,18 +408,24 @@ def main() -> None:
         for kind in args.targets:
             if kind in ("ours", "direct"):
                 continue
-            ratios[kind] = {k: (agg[kind].get(k) / o[k]) if (agg[kind].get(k) is not None and o.get(k)) else None
-                            for k, _ in cols if not k.endswith("errors")}
-            rows.append([f"{kind} / ours", *(ratios[kind].get(k) if not k.endswith("errors") else None
-                                              for k, _ in cols)])
+            ratios[kind] = {
+                k: (agg[kind].get(k) / o[k]) if (agg[kind].get(k) is not None and o.get(k)) else None
+                for k, _ in cols
+                if not k.endswith("errors")
+            }
+            rows.append(
+                [f"{kind} / ours", *(ratios[kind].get(k) if not k.endswith("errors") else None for k, _ in cols)]
+            )
     txt = table(["target", *(h for _, h in cols)], rows)
     print("\nmedians over rounds; for 'direct' the CPU is the fake upstream's\n" + txt)
     result = {
         "benchmark": "gateway_overhead",
         "machine": machine_info(),
-        "versions": {"main": versions(MAIN_PY, ["npu-gateway", "fastapi", "uvicorn", "aiohttp", "httpx"]),
-                     "peers": versions(PEERS_PY, ["litellm", "vllm-router", "aiohttp"]),
-                     "wrk": subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split("\n")[0]},
+        "versions": {
+            "main": versions(MAIN_PY, ["npu-gateway", "fastapi", "uvicorn", "aiohttp", "httpx"]),
+            "peers": versions(PEERS_PY, ["litellm", "vllm-router", "aiohttp"]),
+            "wrk": subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split("\n")[0],
+        },
         "config": vars(args),
         "body": BODY,
         "runs": runs,
@@ -309,29 +438,68 @@ def main() -> None:
     mi = result["machine"]
 
     def series(key: str, kinds: list[str]) -> list[dict[str, Any]]:
-        return [{"label": "value", "y": [agg[k].get(key) for k in kinds],
-                 "lo": [agg[k].get(f"{key}_min") for k in kinds], "hi": [agg[k].get(f"{key}_max") for k in kinds]}]
+        return [
+            {
+                "label": "value",
+                "y": [agg[k].get(key) for k in kinds],
+                "lo": [agg[k].get(f"{key}_min") for k in kinds],
+                "hi": [agg[k].get(f"{key}_max") for k in kinds],
+            }
+        ]
 
-    plot({
-        "title": f"Gateway overhead in front of a fake upstream ({args.chunks}-chunk streams), medians of "
-                 f"{args.rounds} rounds",
-        "note": f"{mi['date_utc']}  {mi['nproc']}x {mi['cpu_model']}  {mi['ram_gib']} GiB; client, gateway and "
-                "upstream share the cores",
-        "panels": [
-            {"title": "non-stream latency p50 at c=1 (ms)", "kind": "bar", "categories": args.targets,
-             "yscale": "log", "series": series("ns_c1_lat_p50_ms", args.targets)},
-            {"title": f"non-stream req/s at c={hc}", "kind": "bar", "categories": args.targets, "yscale": "log",
-             "series": series("ns_c64_req_s", args.targets)},
-            {"title": "gateway CPU s per 1k non-stream requests", "kind": "bar", "categories": gws,
-             "yscale": "log", "series": series("ns_c64_cpu_s_per_1k", gws)},
-            {"title": "stream latency p50 at c=1 (ms)", "kind": "bar", "categories": args.targets,
-             "yscale": "log", "series": series("st_c1_lat_p50_ms", args.targets)},
-            {"title": f"streams/s at c={hc}", "kind": "bar", "categories": args.targets, "yscale": "log",
-             "series": series("st_c64_req_s", args.targets)},
-            {"title": "gateway CPU s per 1k streams", "kind": "bar", "categories": gws, "yscale": "log",
-             "series": series("st_c64_cpu_s_per_1k", gws)},
-        ],
-    }, RESULTS / f"{args.name}.png")
+    plot(
+        {
+            "title": f"Gateway overhead in front of a fake upstream ({args.chunks}-chunk streams), medians of "
+            f"{args.rounds} rounds",
+            "note": f"{mi['date_utc']}  {mi['nproc']}x {mi['cpu_model']}  {mi['ram_gib']} GiB; client, gateway and "
+            "upstream share the cores",
+            "panels": [
+                {
+                    "title": "non-stream latency p50 at c=1 (ms)",
+                    "kind": "bar",
+                    "categories": args.targets,
+                    "yscale": "log",
+                    "series": series("ns_c1_lat_p50_ms", args.targets),
+                },
+                {
+                    "title": f"non-stream req/s at c={hc}",
+                    "kind": "bar",
+                    "categories": args.targets,
+                    "yscale": "log",
+                    "series": series("ns_c64_req_s", args.targets),
+                },
+                {
+                    "title": "gateway CPU s per 1k non-stream requests",
+                    "kind": "bar",
+                    "categories": gws,
+                    "yscale": "log",
+                    "series": series("ns_c64_cpu_s_per_1k", gws),
+                },
+                {
+                    "title": "stream latency p50 at c=1 (ms)",
+                    "kind": "bar",
+                    "categories": args.targets,
+                    "yscale": "log",
+                    "series": series("st_c1_lat_p50_ms", args.targets),
+                },
+                {
+                    "title": f"streams/s at c={hc}",
+                    "kind": "bar",
+                    "categories": args.targets,
+                    "yscale": "log",
+                    "series": series("st_c64_req_s", args.targets),
+                },
+                {
+                    "title": "gateway CPU s per 1k streams",
+                    "kind": "bar",
+                    "categories": gws,
+                    "yscale": "log",
+                    "series": series("st_c64_cpu_s_per_1k", gws),
+                },
+            ],
+        },
+        RESULTS / f"{args.name}.png",
+    )
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -73,12 +73,12 @@ class Stats:
             self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
 
 
-async def one(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool, st: Stats,
-              timeout: float) -> None:
+async def one(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool, st: Stats, timeout: float) -> None:
     t0 = time.perf_counter()
     try:
-        async with session.post(url, data=body, headers={"Content-Type": "application/json"},
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        async with session.post(
+            url, data=body, headers={"Content-Type": "application/json"}, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as r:
             if r.status != 200:
                 await r.read()
                 st.error(f"http_{r.status}")
@@ -136,8 +136,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.ignore_eos:
         body_obj["ignore_eos"] = True
     body = json.dumps(body_obj).encode()
-    conn = aiohttp.TCPConnector(limit=args.concurrency, limit_per_host=args.concurrency, force_close=False,
-                                ttl_dns_cache=None)
+    conn = aiohttp.TCPConnector(
+        limit=args.concurrency, limit_per_host=args.concurrency, force_close=False, ttl_dns_cache=None
+    )
     st = Stats()
     async with aiohttp.ClientSession(connector=conn) as session:
         if args.hold:
@@ -207,8 +208,12 @@ async def hold(session: aiohttp.ClientSession, args: argparse.Namespace, body: b
     async def open_one() -> None:
         nonlocal failures
         try:
-            r = await session.post(args.url, data=body, headers={"Content-Type": "application/json"},
-                                   timeout=aiohttp.ClientTimeout(total=args.timeout))
+            r = await session.post(
+                args.url,
+                data=body,
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=args.timeout),
+            )
             if r.status == 200:
                 opened.append(r)
             else:
@@ -228,8 +233,13 @@ async def hold(session: aiohttp.ClientSession, args: argparse.Namespace, body: b
     _, rss_after = _tree(pid) if pid else (0.0, 0)
     n = len(opened)
     return {
-        "hold": args.hold, "opened": n, "failures": failures, "open_s": round(open_s, 2),
-        "rss_before_mb": rss_before / 2**20, "rss_open_mb": rss_open / 2**20, "rss_after_close_mb": rss_after / 2**20,
+        "hold": args.hold,
+        "opened": n,
+        "failures": failures,
+        "open_s": round(open_s, 2),
+        "rss_before_mb": rss_before / 2**20,
+        "rss_open_mb": rss_open / 2**20,
+        "rss_after_close_mb": rss_after / 2**20,
         "rss_per_stream_kb": (rss_open - rss_before) / n / 1024 if n else None,
     }
 

@@ -36,8 +36,10 @@ def main(spec_path: str, out: str) -> None:
                 ys = [v if v is not None else 0 for v in s["y"]]
                 ax.bar(xs, ys, width, label=s["label"])
                 if s.get("lo") and s.get("hi"):
-                    err = [[max(0, y - (lo if lo is not None else y)) for y, lo in zip(ys, s["lo"], strict=False)],
-                           [max(0, (hi if hi is not None else y) - y) for y, hi in zip(ys, s["hi"], strict=False)]]
+                    err = [
+                        [max(0, y - (lo if lo is not None else y)) for y, lo in zip(ys, s["lo"], strict=False)],
+                        [max(0, (hi if hi is not None else y) - y) for y, hi in zip(ys, s["hi"], strict=False)],
+                    ]
                     ax.errorbar(xs, ys, yerr=err, fmt="none", ecolor="black", capsize=2, lw=0.8)
             ax.set_xticks(range(len(cats)), [str(c) for c in cats])
         else:
@@ -48,8 +50,11 @@ def main(spec_path: str, out: str) -> None:
                 xs, ys = zip(*pts, strict=False)
                 ax.plot(xs, ys, marker="o", label=s["label"])
                 if s.get("lo") and s.get("hi"):
-                    band = [(x, lo, hi) for x, lo, hi in zip(s["x"], s["lo"], s["hi"], strict=False)
-                            if lo is not None and hi is not None]
+                    band = [
+                        (x, lo, hi)
+                        for x, lo, hi in zip(s["x"], s["lo"], s["hi"], strict=False)
+                        if lo is not None and hi is not None
+                    ]
                     if band:
                         bx, blo, bhi = zip(*band, strict=False)
                         ax.fill_between(bx, blo, bhi, alpha=0.2)
@@ -62,7 +67,7 @@ def main(spec_path: str, out: str) -> None:
         ax.set_ylabel(p.get("ylabel", ""))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    for ax in [a for r in axes for a in r][len(panels):]:
+    for ax in [a for r in axes for a in r][len(panels) :]:
         ax.axis("off")
     fig.suptitle(spec.get("title", ""), fontsize=11)
     if spec.get("note"):

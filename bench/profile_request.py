@@ -63,12 +63,23 @@ async def call(app: Any, body: bytes) -> int:
             sent += len(msg.get("body", b""))
 
     scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-        "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-        "query_string": b"", "root_path": "",
-        "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode())],
-        "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000), "state": {},
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"127.0.0.1:8000"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
     }
     await app(scope, receive, send)
     return sent
@@ -83,8 +94,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     msgs = [{"role": "user", "content": "Say hello."}]
     bodies = {
         "nonstream": json.dumps({"model": "simulated", "messages": msgs, "max_tokens": args.tokens}).encode(),
-        "stream": json.dumps({"model": "simulated", "messages": msgs, "max_tokens": args.tokens,
-                              "stream": True}).encode(),
+        "stream": json.dumps(
+            {"model": "simulated", "messages": msgs, "max_tokens": args.tokens, "stream": True}
+        ).encode(),
     }
     out: dict[str, Any] = {}
     pyi = None if args.no_profile else _pyinstrument()
@@ -98,11 +110,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await call(app, body)
             wall = time.perf_counter() - t0
             cpu = time.process_time() - c0
-            out[name] = {"requests": args.n, "tokens_per_request": args.tokens,
-                         "us_per_request": 1e6 * cpu / args.n, "us_per_token": 1e6 * cpu / (args.n * args.tokens),
-                         "wall_s": wall}
-            print(f"{name:9s}: {out[name]['us_per_request']:.0f} µs CPU per request "
-                  f"({out[name]['us_per_token']:.1f} µs per token, {args.tokens} tokens)", flush=True)
+            out[name] = {
+                "requests": args.n,
+                "tokens_per_request": args.tokens,
+                "us_per_request": 1e6 * cpu / args.n,
+                "us_per_token": 1e6 * cpu / (args.n * args.tokens),
+                "wall_s": wall,
+            }
+            print(
+                f"{name:9s}: {out[name]['us_per_request']:.0f} µs CPU per request "
+                f"({out[name]['us_per_token']:.1f} µs per token, {args.tokens} tokens)",
+                flush=True,
+            )
             if pyi is not None:
                 prof = pyi.Profiler(interval=0.0002, async_mode="disabled")
                 prof.start()

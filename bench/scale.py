@@ -52,15 +52,34 @@ from _common import (
 
 
 def gateway(port: int, ttft: float, itl: float, tag: str, extra: list[str], ready: str = "/ready") -> Server:
-    argv = [str(GATEWAY), "serve", "--backend", "simulated", "--simulated-ttft", str(ttft),
-            "--simulated-itl", str(itl), "--embedding-model", "none", "--port", str(port),
-            "--max-num-seqs", "8192", "--max-queue-size", "8192", "--log-level", "warning", *extra]
+    argv = [
+        str(GATEWAY),
+        "serve",
+        "--backend",
+        "simulated",
+        "--simulated-ttft",
+        str(ttft),
+        "--simulated-itl",
+        str(itl),
+        "--embedding-model",
+        "none",
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        "8192",
+        "--max-queue-size",
+        "8192",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     return Server(f"scale-{tag}", argv, f"http://127.0.0.1:{port}{ready}", ready_timeout=60)
 
 
 def loadgen(*args: Any, timeout: float = 300) -> dict[str, Any]:
-    p = subprocess.run([str(MAIN_PY), str(BENCH / "loadgen.py"), *map(str, args)],
-                       capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        [str(MAIN_PY), str(BENCH / "loadgen.py"), *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
     if p.returncode != 0:
         raise RuntimeError(f"loadgen failed: {p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -97,39 +116,94 @@ def main() -> None:
         time.sleep(args.idle_seconds)
         idle_cores = (tree_cpu(srv.pid) - c0) / args.idle_seconds
         print(f"idle gateway: {idle_cores:.4f} cores over {args.idle_seconds:.0f}s", flush=True)
-        loadgen("--url", url, "--model", "simulated", "--stream", "--concurrency", 8, "--duration", 2,
-                "--warmup", 0.5, "--max-tokens", args.max_tokens)
+        loadgen(
+            "--url",
+            url,
+            "--model",
+            "simulated",
+            "--stream",
+            "--concurrency",
+            8,
+            "--duration",
+            2,
+            "--warmup",
+            0.5,
+            "--max-tokens",
+            args.max_tokens,
+        )
         for c in args.levels:
-            r = undisturbed(args, [srv.pid], lambda c=c: loadgen(
-                "--url", url, "--model", "simulated", "--stream", "--concurrency", c, "--duration", args.duration,
-                "--warmup", args.warmup, "--max-tokens", args.max_tokens, "--measure-pid", srv.pid,
-                "--timeout", 120))
+            r = undisturbed(
+                args,
+                [srv.pid],
+                lambda c=c: loadgen(
+                    "--url",
+                    url,
+                    "--model",
+                    "simulated",
+                    "--stream",
+                    "--concurrency",
+                    c,
+                    "--duration",
+                    args.duration,
+                    "--warmup",
+                    args.warmup,
+                    "--max-tokens",
+                    args.max_tokens,
+                    "--measure-pid",
+                    srv.pid,
+                    "--timeout",
+                    120,
+                ),
+            )
             tokens = r["ok"] * args.max_tokens
             ideal = c / (args.ttft + (args.max_tokens - 1) * args.itl)
             row = {
-                "concurrency": c, "req_s": r["req_s"], "ideal_req_s": ideal, "tokens_s": tokens / r["window_s"],
-                "ttft_p50_ms": r["ttft_p50_ms"], "ttft_p99_ms": r["ttft_p99_ms"],
-                "lat_p50_ms": r["lat_p50_ms"], "lat_p99_ms": r["lat_p99_ms"],
-                "errors": r["errors"], "error_kinds": r["error_kinds"],
+                "concurrency": c,
+                "req_s": r["req_s"],
+                "ideal_req_s": ideal,
+                "tokens_s": tokens / r["window_s"],
+                "ttft_p50_ms": r["ttft_p50_ms"],
+                "ttft_p99_ms": r["ttft_p99_ms"],
+                "lat_p50_ms": r["lat_p50_ms"],
+                "lat_p99_ms": r["lat_p99_ms"],
+                "errors": r["errors"],
+                "error_kinds": r["error_kinds"],
                 "gw_cpu_util": r.get("server_cpu_util"),
                 "gw_cpu_us_per_token": 1e6 * r["server_cpu_s"] / tokens if tokens else None,
                 "gw_cpu_ms_per_request": 1e3 * r["server_cpu_s"] / r["ok"] if r["ok"] else None,
                 "gw_rss_mb": r.get("server_rss_mb"),
                 "client_cpu_util": r.get("client_cpu_util"),
-                "foreign_cores": r["foreign_cores"], "disturbed": r["disturbed"],
+                "foreign_cores": r["foreign_cores"],
+                "disturbed": r["disturbed"],
                 "raw": r,
             }
             levels.append(row)
-            print(f"c={c:<5} {row['req_s']:8.1f} req/s (ideal {ideal:7.1f})  {row['tokens_s']:8.0f} tok/s  "
-                  f"TTFT p50 {row['ttft_p50_ms'] or 0:7.1f} p99 {row['ttft_p99_ms'] or 0:7.1f} ms  "
-                  f"gw CPU {row['gw_cpu_util'] or 0:.2f} core, {row['gw_cpu_us_per_token'] or 0:.0f} us/token  "
-                  f"client {row['client_cpu_util'] or 0:.2f} core  errors {row['errors']}", flush=True)
+            print(
+                f"c={c:<5} {row['req_s']:8.1f} req/s (ideal {ideal:7.1f})  {row['tokens_s']:8.0f} tok/s  "
+                f"TTFT p50 {row['ttft_p50_ms'] or 0:7.1f} p99 {row['ttft_p99_ms'] or 0:7.1f} ms  "
+                f"gw CPU {row['gw_cpu_util'] or 0:.2f} core, {row['gw_cpu_us_per_token'] or 0:.0f} us/token  "
+                f"client {row['client_cpu_util'] or 0:.2f} core  errors {row['errors']}",
+                flush=True,
+            )
         if args.profile:
             name = f"profile_scale_c{args.profile_conc}"
             spy = pyspy_start(srv.pid, name, duration=args.profile_seconds)
             time.sleep(0.5)
-            loadgen("--url", url, "--model", "simulated", "--stream", "--concurrency", args.profile_conc,
-                    "--duration", args.profile_seconds + 2, "--warmup", 1, "--max-tokens", args.max_tokens)
+            loadgen(
+                "--url",
+                url,
+                "--model",
+                "simulated",
+                "--stream",
+                "--concurrency",
+                args.profile_conc,
+                "--duration",
+                args.profile_seconds + 2,
+                "--warmup",
+                1,
+                "--max-tokens",
+                args.max_tokens,
+            )
             profile = pyspy_finish(spy, name, f"npu-gateway, simulated engine, {args.profile_conc} streams")
             if profile is not None:
                 print(f"profiled c={args.profile_conc}: {profile['samples']} samples -> results/{name}.svg")
@@ -142,31 +216,87 @@ def main() -> None:
         # /health: /ready waits for a probe generation, which takes the hour too
         with gateway(port, 3600.0, args.itl, f"idle{n}", extra, ready="/health") as srv:
             # touch every code path once so lazy imports and caches are not counted
-            loadgen("--url", f"http://127.0.0.1:{port}/v1/chat/completions", "--model", "simulated", "--hold", 8,
-                    "--stream", "--duration", 30, "--settle", 0.5)
-            m = undisturbed(args, [srv.pid], lambda n=n, port=port, srv=srv: loadgen(
-                "--url", f"http://127.0.0.1:{port}/v1/chat/completions", "--model", "simulated",
-                "--hold", n, "--stream", "--duration", 120, "--settle", 2, "--measure-pid", srv.pid))
+            loadgen(
+                "--url",
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                "--model",
+                "simulated",
+                "--hold",
+                8,
+                "--stream",
+                "--duration",
+                30,
+                "--settle",
+                0.5,
+            )
+            m = undisturbed(
+                args,
+                [srv.pid],
+                lambda n=n, port=port, srv=srv: loadgen(
+                    "--url",
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    "--model",
+                    "simulated",
+                    "--hold",
+                    n,
+                    "--stream",
+                    "--duration",
+                    120,
+                    "--settle",
+                    2,
+                    "--measure-pid",
+                    srv.pid,
+                ),
+            )
             memory.append(m)
-            print(f"idle streams {m['opened']}/{n}: RSS {m['rss_before_mb']:.1f} -> {m['rss_open_mb']:.1f} MB "
-                  f"= {m['rss_per_stream_kb']:.1f} KiB per stream (after close {m['rss_after_close_mb']:.1f} MB)",
-                  flush=True)
+            print(
+                f"idle streams {m['opened']}/{n}: RSS {m['rss_before_mb']:.1f} -> {m['rss_open_mb']:.1f} MB "
+                f"= {m['rss_per_stream_kb']:.1f} KiB per stream (after close {m['rss_after_close_mb']:.1f} MB)",
+                flush=True,
+            )
 
-    headers = ["streams", "req/s", "ideal req/s", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "gw CPU (cores)",
-               "gw CPU µs/token", "gw CPU ms/req", "client CPU", "errors"]
-    rows = [[r["concurrency"], r["req_s"], r["ideal_req_s"], r["tokens_s"], r["ttft_p50_ms"], r["ttft_p99_ms"],
-             r["gw_cpu_util"], r["gw_cpu_us_per_token"], r["gw_cpu_ms_per_request"], r["client_cpu_util"],
-             r["errors"]] for r in levels]
+    headers = [
+        "streams",
+        "req/s",
+        "ideal req/s",
+        "tokens/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "gw CPU (cores)",
+        "gw CPU µs/token",
+        "gw CPU ms/req",
+        "client CPU",
+        "errors",
+    ]
+    rows = [
+        [
+            r["concurrency"],
+            r["req_s"],
+            r["ideal_req_s"],
+            r["tokens_s"],
+            r["ttft_p50_ms"],
+            r["ttft_p99_ms"],
+            r["gw_cpu_util"],
+            r["gw_cpu_us_per_token"],
+            r["gw_cpu_ms_per_request"],
+            r["client_cpu_util"],
+            r["errors"],
+        ]
+        for r in levels
+    ]
     txt = table(headers, rows)
-    mem_txt = table(["idle streams", "opened", "RSS before MB", "RSS open MB", "KiB per stream"],
-                    [[m["hold"], m["opened"], m["rss_before_mb"], m["rss_open_mb"], m["rss_per_stream_kb"]]
-                     for m in memory])
+    mem_txt = table(
+        ["idle streams", "opened", "RSS before MB", "RSS open MB", "KiB per stream"],
+        [[m["hold"], m["opened"], m["rss_before_mb"], m["rss_open_mb"], m["rss_per_stream_kb"]] for m in memory],
+    )
     print("\n" + txt + "\n\n" + mem_txt)
     result = {
         "benchmark": "scale",
         "machine": machine_info(),
-        "versions": versions(MAIN_PY, ["npu-gateway", "fastapi", "starlette", "uvicorn", "uvloop", "httptools",
-                                       "pydantic", "orjson", "aiohttp"]),
+        "versions": versions(
+            MAIN_PY,
+            ["npu-gateway", "fastapi", "starlette", "uvicorn", "uvloop", "httptools", "pydantic", "orjson", "aiohttp"],
+        ),
         "config": vars(args),
         "idle_cores": idle_cores,
         "levels": levels,
@@ -178,31 +308,71 @@ def main() -> None:
     print(f"results: {save_json(args.name, result)}")
     xs = [r["concurrency"] for r in levels]
     mi = result["machine"]
-    plot({
-        "title": f"npu-gateway, simulated engine (TTFT {args.ttft * 1000:.0f} ms, ITL {args.itl * 1000:.0f} ms, "
-                 f"{args.max_tokens} tokens/stream)",
-        "note": f"{mi['date_utc']}  {mi['nproc']}x {mi['cpu_model']}  {mi['ram_gib']} GiB; client on the same cores",
-        "panels": [
-            {"title": "requests/s", "xlabel": "concurrent streams", "ylabel": "req/s", "xscale": "log",
-             "yscale": "log", "series": [{"label": "measured", "x": xs, "y": [r["req_s"] for r in levels]},
-                                         {"label": "ideal (engine-bound)", "x": xs,
-                                          "y": [r["ideal_req_s"] for r in levels]}]},
-            {"title": "gateway CPU per streamed token", "xlabel": "concurrent streams", "ylabel": "µs CPU / token",
-             "xscale": "log", "series": [{"label": "gateway", "x": xs,
-                                          "y": [r["gw_cpu_us_per_token"] for r in levels]}]},
-            {"title": "TTFT", "xlabel": "concurrent streams", "ylabel": "ms", "xscale": "log", "yscale": "log",
-             "series": [{"label": "p50", "x": xs, "y": [r["ttft_p50_ms"] for r in levels]},
-                        {"label": "p99", "x": xs, "y": [r["ttft_p99_ms"] for r in levels]}]},
-            {"title": "CPU used (cores)", "xlabel": "concurrent streams", "ylabel": "cores", "xscale": "log",
-             "series": [{"label": "gateway", "x": xs, "y": [r["gw_cpu_util"] for r in levels]},
-                        {"label": "load client", "x": xs, "y": [r["client_cpu_util"] for r in levels]}]},
-            {"title": "tokens/s", "xlabel": "concurrent streams", "ylabel": "tokens/s", "xscale": "log",
-             "yscale": "log", "series": [{"label": "measured", "x": xs, "y": [r["tokens_s"] for r in levels]}]},
-            {"title": "RSS per idle open stream", "kind": "bar", "categories": [m["hold"] for m in memory],
-             "xlabel": "open streams", "ylabel": "KiB / stream",
-             "series": [{"label": "gateway", "y": [m["rss_per_stream_kb"] for m in memory]}]},
-        ],
-    }, RESULTS / f"{args.name}.png")
+    plot(
+        {
+            "title": f"npu-gateway, simulated engine (TTFT {args.ttft * 1000:.0f} ms, ITL {args.itl * 1000:.0f} ms, "
+            f"{args.max_tokens} tokens/stream)",
+            "note": f"{mi['date_utc']}  {mi['nproc']}x {mi['cpu_model']}  {mi['ram_gib']} GiB; client on the same cores",
+            "panels": [
+                {
+                    "title": "requests/s",
+                    "xlabel": "concurrent streams",
+                    "ylabel": "req/s",
+                    "xscale": "log",
+                    "yscale": "log",
+                    "series": [
+                        {"label": "measured", "x": xs, "y": [r["req_s"] for r in levels]},
+                        {"label": "ideal (engine-bound)", "x": xs, "y": [r["ideal_req_s"] for r in levels]},
+                    ],
+                },
+                {
+                    "title": "gateway CPU per streamed token",
+                    "xlabel": "concurrent streams",
+                    "ylabel": "µs CPU / token",
+                    "xscale": "log",
+                    "series": [{"label": "gateway", "x": xs, "y": [r["gw_cpu_us_per_token"] for r in levels]}],
+                },
+                {
+                    "title": "TTFT",
+                    "xlabel": "concurrent streams",
+                    "ylabel": "ms",
+                    "xscale": "log",
+                    "yscale": "log",
+                    "series": [
+                        {"label": "p50", "x": xs, "y": [r["ttft_p50_ms"] for r in levels]},
+                        {"label": "p99", "x": xs, "y": [r["ttft_p99_ms"] for r in levels]},
+                    ],
+                },
+                {
+                    "title": "CPU used (cores)",
+                    "xlabel": "concurrent streams",
+                    "ylabel": "cores",
+                    "xscale": "log",
+                    "series": [
+                        {"label": "gateway", "x": xs, "y": [r["gw_cpu_util"] for r in levels]},
+                        {"label": "load client", "x": xs, "y": [r["client_cpu_util"] for r in levels]},
+                    ],
+                },
+                {
+                    "title": "tokens/s",
+                    "xlabel": "concurrent streams",
+                    "ylabel": "tokens/s",
+                    "xscale": "log",
+                    "yscale": "log",
+                    "series": [{"label": "measured", "x": xs, "y": [r["tokens_s"] for r in levels]}],
+                },
+                {
+                    "title": "RSS per idle open stream",
+                    "kind": "bar",
+                    "categories": [m["hold"] for m in memory],
+                    "xlabel": "open streams",
+                    "ylabel": "KiB / stream",
+                    "series": [{"label": "gateway", "y": [m["rss_per_stream_kb"] for m in memory]}],
+                },
+            ],
+        },
+        RESULTS / f"{args.name}.png",
+    )
 
 
 if __name__ == "__main__":

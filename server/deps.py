@@ -10,7 +10,8 @@ from server.auth import Principal, authenticate
 from server.state import Gateway
 
 
-def get_gateway(request: Request) -> Gateway:
+async def get_gateway(request: Request) -> Gateway:
+    # async: a plain def would cost a worker-thread hop on every request
     gw: Gateway = request.app.state.gateway
     return gw
 
@@ -18,7 +19,3 @@ def get_gateway(request: Request) -> Gateway:
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]
 AuthDep = Annotated[Principal, Depends(authenticate)]
 
-
-def request_id(request: Request) -> str:
-    rid: str = request.scope.get("state", {}).get("request_id") or ""
-    return rid

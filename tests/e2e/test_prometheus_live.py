@@ -318,7 +318,8 @@ def test_real_prometheus_scrapes_the_real_gateway(
     # deploy/prometheus/prometheus.yml: only targets and intervals changed;
     # the deploy rules.yml beside it.
     config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
-    config["global"].update(scrape_interval="1s", evaluation_interval="1s", scrape_timeout="1s")
+    # 2 s scrape timeout: on a loaded 2-core box a 1 s scrape can time out
+    config["global"].update(scrape_interval="2s", evaluation_interval="1s", scrape_timeout="2s")
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     jobs["npu-gateway"]["static_configs"][0]["targets"] = [real, npu]
     jobs["prometheus"]["static_configs"][0]["targets"] = ["127.0.0.1:__PORT__"]
@@ -332,7 +333,7 @@ def test_real_prometheus_scrapes_the_real_gateway(
         _wait_query(
             client, base, 'count_over_time(up{job="npu-gateway"}[1m]) >= 2', lambda r: len(r) == 2, timeout=90
         )
-        up = _query(client, base, 'up{job="npu-gateway"}')
+        up = _wait_query(client, base, 'up{job="npu-gateway"} == 1', lambda r: len(r) == 2, timeout=60)
         assert {s["metric"]["instance"]: s["value"][1] for s in up} == {real: "1", npu: "1"}
 
         # Real traffic between scrapes, so the rate below is of real tokens.
