@@ -23,7 +23,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 
 from engine_adapter.channel import END, TICK, Ticker
 from engine_adapter.errors import (
@@ -45,42 +44,11 @@ from engine_adapter.types import (
     ModelCard,
     Tokenizer,
 )
+from engine_adapter.workers import PoolCounters, Waiter, Worker
 
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[int], Engine]
-@dataclass(slots=True)
-class Worker:
-    index: int
-    engine: Engine
-    slots: int
-    in_flight: int = 0
-    alive: bool = False
-    restarts: int = 0
-    last_ready: float | None = None  # monotonic time of the last good probe
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-
-    @property
-    def free(self) -> int:
-        return self.slots - self.in_flight if self.alive else 0
-
-
-@dataclass(order=True, slots=True)
-class _Waiter:
-    priority: int
-    seq: int
-    future: asyncio.Future[Worker] = field(compare=False)
-    enqueued: float = field(compare=False, default=0.0)
-    cancelled: bool = field(compare=False, default=False)
-
-
-@dataclass(slots=True)
-class PoolCounters:
-    rejected: Counter[str] = field(default_factory=Counter)
-    queue_time_total: float = 0.0
-    dispatched: int = 0
-
-
 class WorkerPool:
     def __init__(
         self,
@@ -109,7 +77,7 @@ class WorkerPool:
         self.probe_timeout = probe_timeout if probe_timeout is not None else readiness_interval
         self.restart_backoff = restart_backoff
         self.counters = PoolCounters()
-        self._queue: list[_Waiter] = []
+        self._queue: list[Waiter] = []
         self._queued = 0
         self._queued_by_priority: Counter[int] = Counter()
         self._seq = itertools.count()
@@ -225,7 +193,7 @@ class WorkerPool:
                 retry_after=1,
             )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(priority, next(self._seq), loop.create_future(), time.monotonic())
+        waiter = Waiter(priority, next(self._seq), loop.create_future(), time.monotonic())
         heapq.heappush(self._queue, waiter)
         self._queued += 1
         self._queued_by_priority[priority] += 1
@@ -252,7 +220,7 @@ class WorkerPool:
         self.counters.queue_time_total += time.monotonic() - waiter.enqueued
         return w
 
-    def _forget(self, waiter: _Waiter) -> None:
+    def _forget(self, waiter: Waiter) -> None:
         if not waiter.cancelled:
             waiter.cancelled = True
             if not waiter.future.done():

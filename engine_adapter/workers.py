@@ -1,0 +1,41 @@
+"""What a WorkerPool keeps per worker and per waiting request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+
+from engine_adapter.types import Engine
+
+
+@dataclass(slots=True)
+class Worker:
+    index: int
+    engine: Engine
+    slots: int
+    in_flight: int = 0
+    alive: bool = False
+    restarts: int = 0
+    last_ready: float | None = None  # monotonic time of the last good probe
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    @property
+    def free(self) -> int:
+        return self.slots - self.in_flight if self.alive else 0
+
+
+@dataclass(order=True, slots=True)
+class Waiter:
+    priority: int
+    seq: int
+    future: asyncio.Future[Worker] = field(compare=False)
+    enqueued: float = field(compare=False, default=0.0)
+    cancelled: bool = field(compare=False, default=False)
+
+
+@dataclass(slots=True)
+class PoolCounters:
+    rejected: Counter[str] = field(default_factory=Counter)
+    queue_time_total: float = 0.0
+    dispatched: int = 0
