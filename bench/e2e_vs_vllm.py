@@ -80,19 +80,16 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--dtype", args.dtype]
         if args.enforce_eager:
             flags += ["--enforce-eager"]
+    if args.load_format:
+        flags += ["--load-format", args.load_format]
     return flags
 
 
 def make_server(kind: str, args: argparse.Namespace, port: int, tag: str) -> Server:
     common = engine_flags(args)
     if kind == "ours":
-        env_extra = {}
         py = Path(args.python)
         gw = [str(GATEWAY)] if py == MAIN_PY and GATEWAY.exists() else [str(py), "-m", "server.cli"]
-        if args.load_format:
-            # the gateway has no --load-format flag: bench/gw_shim.py adds engine kwargs from the env
-            gw = [str(py), str(BENCH / "gw_shim.py")]
-            env_extra["BENCH_VLLM_EXTRA"] = json.dumps({"load_format": args.load_format})
         argv = [
             *gw,
             "serve",
@@ -128,13 +125,8 @@ def make_server(kind: str, args: argparse.Namespace, port: int, tag: str) -> Ser
             "--disable-uvicorn-access-log",
             *common,
         ]
-        if args.load_format:
-            argv += ["--load-format", args.load_format]
         ready = f"http://127.0.0.1:{port}/v1/models"
-        env_extra = {}
-    return Server(
-        f"e2e-{kind}-{tag}", argv, ready, env={**engine_env(args), **env_extra}, ready_timeout=args.ready_timeout
-    )
+    return Server(f"e2e-{kind}-{tag}", argv, ready, env=engine_env(args), ready_timeout=args.ready_timeout)
 
 
 def warm_up(port: int, name: str, n: int = 3) -> None:
@@ -255,7 +247,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--enforce-eager", action="store_true", help="(GPU) disable CUDA graphs in both")
-    ap.add_argument("--load-format", default=None, help="vllm serve only, e.g. dummy (GPU check)")
+    ap.add_argument("--load-format", default=None, help="both servers, e.g. dummy (GPU check)")
     ap.add_argument("--gw-extra", default="", help="extra flags for npu-gateway serve")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256, help="pinned in both (vllm serve's CPU default is 128)")

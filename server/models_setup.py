@@ -68,7 +68,9 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         quantization=s.quantization,
         scheduling_policy=s.scheduling_policy,
         seed=s.seed,
+        load_format=s.load_format,
         profile_dir=str(s.profile_dir.resolve()) if s.profile_dir else None,
+        extra=dict(s.engine_args),
     )
     specs = [ModelSpec(names=names, backend="vllm", vllm=engine, root=str(path), **common)]  # type: ignore[arg-type]
     for extra_names, extra in s.extra_models():
@@ -76,6 +78,8 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         cfg = replace(engine, model=str(extra_dir), served_model_name=extra_names[0], profile_frontend=False)
         specs.append(ModelSpec(names=extra_names, backend="vllm", vllm=cfg, root=str(extra_dir), **common))  # type: ignore[arg-type]
     if s.embedding_enabled:
+        # Its own engine: none of the generation models' engine flags (dtype,
+        # quantization, --load-format, --engine-arg ...) describe this model.
         emb_arg = None if s.embedding_model == "embedded" else s.embedding_model
         emb_path, emb_name = resolve_model(emb_arg or EMBEDDED_EMBEDDING_NAME)
         emb_names = tuple(s.embedding_served_model_name) or (emb_name,)

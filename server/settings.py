@@ -7,7 +7,9 @@ then environment, then the file, then defaults. Flag names follow
 from __future__ import annotations
 
 import argparse
+import json
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -23,6 +25,9 @@ from pydantic_settings import (
 # `NAME=...` lists: repeatable flags, a YAML list or mapping, or one
 # whitespace-separated environment variable (NPUGW_UPSTREAM="a=http://x b=http://y").
 Entries = Annotated[list[str], NoDecode]
+# vLLM engine arguments: repeatable KEY=VALUE flags, a YAML mapping, or a JSON
+# object in the environment (NPUGW_ENGINE_ARGS='{"kv_cache_dtype": "fp8"}').
+EngineArgs = Annotated[dict[str, Any], NoDecode]
 
 
 class Settings(BaseSettings):
@@ -61,6 +66,18 @@ class Settings(BaseSettings):
     quantization: str | None = Field(None, description="quantization method")
     scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="vLLM scheduling policy")
     seed: int | None = Field(None, description="engine seed")
+    load_format: str | None = Field(
+        None,
+        description="weights format, as vllm serve's: auto, safetensors, dummy (random weights, for benchmarks), "
+        "...; the generation models (--model, --extra-model), not the embedding model",
+    )
+    engine_args: EngineArgs = Field(
+        default_factory=dict,
+        description="any other vLLM engine argument, as vllm serve --KEY VALUE (repeatable; '-' in KEY "
+        "reads as '_'); VALUE is JSON when it parses (40, true, [1,2], {...}), else a string; env: a JSON "
+        "object, YAML: a mapping. The generation models get them, not the embedding model. Keys a gateway "
+        "flag sets (model, max_model_len, dtype, ...) are refused: use that flag",
+    )
     # --- pool / admission ---
     num_workers: int = Field(1, ge=1, description="engine instances per model")
     max_queue_size: int = Field(1024, ge=0, description="in-process queue bound per model")
@@ -135,6 +152,11 @@ class Settings(BaseSettings):
             out.append((tuple(n.strip() for n in names.split(",") if n.strip()), path.strip()))
         return out
 
+    @field_validator("engine_args", mode="before")
+    @classmethod
+    def _engine_args(cls, v: Any) -> dict[str, Any]:
+        return parse_engine_args(v)
+
     @field_validator("upstream", "upstream_tokenizer", "alias", "fallback", mode="before")
     @classmethod
     def _entries(cls, v: Any) -> Any:
@@ -176,6 +198,50 @@ class Settings(BaseSettings):
         return self.embedding_model not in (None, "", "none")
 
 
+def _json_or_str(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def parse_engine_args(v: Any) -> dict[str, Any]:
+    """`KEY=VALUE` items (flags), a JSON object (environment) or a mapping
+    (YAML) -> {vLLM engine argument: value}. A key the gateway sets from its
+    own settings is refused with the flag to use instead."""
+    from engine_adapter.backends.vllm import gateway_engine_keys
+
+    if v is None:
+        return {}
+    if isinstance(v, str):
+        try:
+            v = json.loads(v) if v.strip() else {}
+        except ValueError as e:
+            raise ValueError(f"engine args {v!r}: expected a JSON object ({e})") from None
+        if not isinstance(v, dict):
+            raise ValueError(f"engine args {v!r}: expected a JSON object of KEY: VALUE")
+    elif isinstance(v, list | tuple):
+        items: dict[str, Any] = {}
+        for item in v:
+            key, sep, raw = str(item).partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"--engine-arg {item!r}: expected KEY=VALUE")
+            items[key] = _json_or_str(raw)
+        v = items
+    if not isinstance(v, Mapping):
+        raise ValueError("engine args: expected KEY=VALUE items, a JSON object or a mapping")
+    own = gateway_engine_keys()
+    out: dict[str, Any] = {}
+    for key, value in v.items():
+        name = str(key).strip().replace("-", "_")
+        if not name.isidentifier():
+            raise ValueError(f"--engine-arg {key!r}: KEY must be a vLLM engine argument name (letters, digits, _ or -)")
+        if name in own:
+            raise ValueError(f"--engine-arg {name}: the gateway sets {name} itself; use {own[name]}")
+        out[name] = value
+    return out
+
+
 def _config_path(init: PydanticBaseSettingsSource) -> Path | None:
     import os
 
@@ -193,16 +259,25 @@ def _is_list(annotation: Any) -> bool:
     return typing.get_origin(annotation) is list
 
 
+# Flags not named after their setting: `--engine-arg K=V` fills engine_args.
+_FLAG_NAMES = {"engine_args": "--engine-arg"}
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     """One `--kebab-case` flag per setting; only flags given are returned."""
     for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
+        flag = _FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
         help_text = f"{field.description or ''} [env NPUGW_{name.upper()}]"
         ann = field.annotation
         if _is_bool(ann):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         elif _is_list(ann):
             parser.add_argument(flag, action="extend", nargs="+", default=argparse.SUPPRESS, help=help_text)
+        elif typing.get_origin(ann) is dict:
+            parser.add_argument(
+                flag, dest=name, action="extend", nargs="+", metavar="KEY=VALUE", default=argparse.SUPPRESS,
+                help=help_text,
+            )
         else:
             parser.add_argument(flag, default=argparse.SUPPRESS, help=help_text)
 

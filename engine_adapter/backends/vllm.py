@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 from engine_adapter.errors import EngineDead, EngineError, InvalidRequest
@@ -52,10 +52,13 @@ class VllmConfig:
     quantization: str | None = None
     scheduling_policy: str = "fcfs"
     seed: int | None = None
+    load_format: str | None = None
     profile_dir: str | None = None
     # Only one torch profiler may trace the front-end process (kineto refuses
     # a second); the other engines profile their workers only.
     profile_frontend: bool = True
+    # Other AsyncEngineArgs (--engine-arg KEY=VALUE); never a key of
+    # gateway_engine_keys(): those have their own settings.
     extra: dict[str, Any] = field(default_factory=dict)
 
     def engine_kwargs(self, device: str, index: int = 0) -> dict[str, Any]:
@@ -78,6 +81,7 @@ class VllmConfig:
             "quantization": self.quantization,
             "scheduling_policy": self.scheduling_policy,
             "seed": self.seed,
+            "load_format": self.load_format,
             "enable_log_requests": False,
         }
         if self.profile_dir:
@@ -97,6 +101,38 @@ class VllmConfig:
                 kw["dtype"] = "float32" if self.runner == "pooling" else "bfloat16"
         kw.update(self.extra)
         return {k: v for k, v in kw.items() if v is not None}
+
+
+# VllmConfig fields that are not engine arguments.
+_NOT_ENGINE_ARGS = frozenset({"profile_dir", "profile_frontend", "extra"})
+# Engine arguments the gateway derives itself, and the setting that decides them.
+_DERIVED_ENGINE_ARGS = {
+    "tokenizer": "--model (the tokenizer is the model folder's)",
+    "runner": "--embedding-model (the pooling model; the others generate)",
+    "profiler_config": "--profile-dir",
+}
+
+
+def gateway_engine_keys() -> dict[str, str]:
+    """AsyncEngineArgs keys VllmConfig.engine_kwargs sets from the gateway's
+    own settings -> the flag to use instead of `--engine-arg KEY=...`."""
+    own = {f.name: "--" + f.name.replace("_", "-") for f in fields(VllmConfig) if f.name not in _NOT_ENGINE_ARGS}
+    return {**own, **_DERIVED_ENGINE_ARGS}
+
+
+def make_engine_args(kwargs: dict[str, Any]) -> Any:
+    """vLLM's AsyncEngineArgs from engine_kwargs(); an unknown key (a typo in
+    --engine-arg) is named instead of a bare TypeError."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    known = {f.name for f in fields(AsyncEngineArgs) if f.init}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(
+            f"--engine-arg: vLLM's AsyncEngineArgs has no argument {', '.join(map(repr, unknown))} "
+            "(keys are `vllm serve` flags with '_' for '-')"
+        )
+    return AsyncEngineArgs(**kwargs)
 
 
 def configure_process_env(device: str) -> None:
@@ -268,14 +304,13 @@ class VllmEngine:
 
     async def start(self) -> None:
         configure_process_env(self.device)
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from engine_adapter.backends.vllm_stats import make_stat_logger_factory
 
         kwargs = self.config.engine_kwargs(self.device, self.index)
         logger.info("starting vLLM engine %d: %s", self.index, kwargs)
-        args = AsyncEngineArgs(**kwargs)
+        args = make_engine_args(kwargs)
         factory = make_stat_logger_factory(self, self._metrics)
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
         mc = self._llm.model_config

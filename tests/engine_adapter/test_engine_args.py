@@ -1,16 +1,20 @@
-"""Settings reach vLLM's own engine arguments unchanged (CLI flags and
-NPUGW_* variables, through the real argparse and vLLM's AsyncEngineArgs)."""
+"""Settings reach vLLM's own engine arguments unchanged (CLI flags,
+NPUGW_* variables and the YAML file, through the real argparse and vLLM's
+AsyncEngineArgs)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from pathlib import Path
 
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
 
+from engine_adapter.backends.vllm import VllmConfig, gateway_engine_keys, make_engine_args
 from engine_adapter.model import embedded_model_dir, prepare_embedded_model
 from server.models_setup import model_specs
-from server.settings import add_settings_arguments, settings_from_args
+from server.settings import Settings, add_settings_arguments, settings_from_args
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -86,3 +90,82 @@ def test_extra_models_get_their_own_specs(model_dir: str) -> None:
     assert second.model == model_dir
     with pytest.raises(ValueError):
         settings_from_args(parse(["--extra-model", "no-path"]))
+
+
+def test_load_format_and_engine_args_reach_engine_args(model_dir: str) -> None:
+    s = settings_from_args(parse([
+        "--model", model_dir, "--served-model-name", "main", "--extra-model", f"second={model_dir}",
+        "--load-format", "dummy", "--engine-arg", "kv_cache_dtype=auto", "--engine-arg", "max-logprobs=40",
+        "--engine-arg", 'override_generation_config={"temperature": 0.5}', "enable-chunked-prefill=false",
+    ]))
+    main, second, emb = model_specs(s)
+    for spec in (main, second):  # --extra-model engines are generation engines too
+        assert spec.vllm is not None
+        args = make_engine_args(spec.vllm.engine_kwargs("npu"))
+        assert isinstance(args, AsyncEngineArgs)
+        assert (args.load_format, args.kv_cache_dtype, args.max_logprobs) == ("dummy", "auto", 40)
+        assert type(args.max_logprobs) is int and args.enable_chunked_prefill is False
+        assert args.override_generation_config == {"temperature": 0.5}
+    # the embedding model is its own engine: vLLM's defaults
+    assert emb.vllm is not None
+    emb_kw = emb.vllm.engine_kwargs("npu")
+    assert not {"load_format", "kv_cache_dtype", "max_logprobs"} & set(emb_kw)
+    defaults = AsyncEngineArgs(model=model_dir)
+    args = make_engine_args(emb_kw)
+    assert (args.load_format, args.max_logprobs) == (defaults.load_format, defaults.max_logprobs)
+
+
+def test_engine_arg_env_and_yaml_forms(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("load_format: safetensors\nengine_args:\n  max-logprobs: 30\n  kv_cache_dtype: auto\n")
+    s = settings_from_args(parse(["--config", str(cfg)]))
+    assert (s.load_format, s.engine_args) == ("safetensors", {"max_logprobs": 30, "kv_cache_dtype": "auto"})
+    # the environment replaces the file's mapping as a whole, flags replace the environment's
+    monkeypatch.setenv("NPUGW_ENGINE_ARGS", '{"max_logprobs": 40}')
+    monkeypatch.setenv("NPUGW_LOAD_FORMAT", "dummy")
+    s = settings_from_args(parse(["--config", str(cfg)]))
+    assert (s.load_format, s.engine_args) == ("dummy", {"max_logprobs": 40})
+    s = settings_from_args(parse(["--config", str(cfg), "--engine-arg", "max_logprobs=50"]))
+    assert s.engine_args == {"max_logprobs": 50}
+    monkeypatch.setenv("NPUGW_ENGINE_ARGS", "max_logprobs=40")
+    with pytest.raises(ValueError, match="JSON object"):
+        Settings()
+    monkeypatch.setenv("NPUGW_ENGINE_ARGS", '{"dtype": "half"}')
+    with pytest.raises(ValueError, match="--dtype"):
+        Settings()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--engine-arg", "max-model-len=4096"], "the gateway sets max_model_len itself; use --max-model-len"),
+    (["--engine-arg", "tokenizer=/models/x"], "use --model"),
+    (["--engine-arg", "load_format=dummy"], "use --load-format"),
+    (["--engine-arg", "served_model_name=x"], "use --served-model-name"),
+    (["--engine-arg", "kv_cache_dtype"], "expected KEY=VALUE"),
+    (["--engine-arg", "=auto"], "expected KEY=VALUE"),
+    (["--engine-arg", "kv cache=auto"], "KEY must be a vLLM engine argument name"),
+])
+def test_engine_arg_errors_name_the_problem(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        settings_from_args(parse(argv))
+
+
+def test_unknown_engine_arg_is_named_at_engine_start(model_dir: str) -> None:
+    s = settings_from_args(parse(["--model", model_dir, "--embedding-model", "none", "--engine-arg", "max_logprob=4"]))
+    (spec,) = model_specs(s)
+    assert spec.vllm is not None
+    with pytest.raises(ValueError, match="no argument 'max_logprob'"):
+        make_engine_args(spec.vllm.engine_kwargs("npu"))
+
+
+def test_refused_keys_are_what_the_gateway_sets() -> None:
+    """Every key engine_kwargs sets from a setting is refused in --engine-arg,
+    and every refused key is a real AsyncEngineArgs field."""
+    cfg = VllmConfig(
+        model="m", served_model_name="m", runner="pooling", max_model_len=64, enforce_eager=True, max_num_seqs=1,
+        max_num_batched_tokens=64, block_size=16, enable_prefix_caching=True, distributed_executor_backend="mp",
+        quantization="fp8", seed=0, load_format="dummy", profile_dir="/tmp/p",
+    )
+    produced = set(cfg.engine_kwargs("cpu")) - {"enable_log_requests"}
+    own = gateway_engine_keys()
+    assert produced == set(own)
+    assert set(own) <= {f.name for f in dataclasses.fields(AsyncEngineArgs)}
