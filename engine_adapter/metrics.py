@@ -8,8 +8,30 @@ isolated. Also the names the seed deployment's PromQL queries.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+class Children:
+    """`metric.labels(*values)` looked up once per label set: `labels()`
+    validates and takes a lock on every call, and the request path calls it
+    for the same few label sets over and over."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
+
+    def __call__(self, metric: M, *values: str) -> M:
+        key = (id(metric), values)
+        child = self._seen.get(key)
+        if child is None:
+            child = self._seen[key] = metric.labels(*values)
+        return child  # type: ignore[return-value]  # labels() returns the metric's own type
 
 # vLLM's buckets, so dashboards built for vLLM read the same quantiles.
 _LATENCY = (
@@ -39,6 +61,7 @@ def _token_buckets(max_len: int) -> list[float]:
 
 class EngineMetrics:
     def __init__(self, registry: CollectorRegistry, max_model_len: int = 8192) -> None:
+        self._child = Children()
         L = ["model_name", "engine"]
         r = registry
         self.running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", L, registry=r)
@@ -101,17 +124,17 @@ class EngineMetrics:
 
     def set_scheduler(self, model: str, engine: int, running: int, waiting: int, kv_usage: float) -> None:
         e = str(engine)
-        self.running.labels(model, e).set(running)
-        self.seed_running.labels(model, e).set(running)
-        self.waiting.labels(model, e).set(waiting)
-        self.kv_usage.labels(model, e).set(kv_usage)
+        self._child(self.running, model, e).set(running)
+        self._child(self.seed_running, model, e).set(running)
+        self._child(self.waiting, model, e).set(waiting)
+        self._child(self.kv_usage, model, e).set(kv_usage)
 
     def add_prefix_cache(self, model: str, engine: int, queries: int, hits: int) -> None:
         e = str(engine)
         if queries:
-            self.prefix_queries.labels(model, e).inc(queries)
+            self._child(self.prefix_queries, model, e).inc(queries)
         if hits:
-            self.prefix_hits.labels(model, e).inc(hits)
+            self._child(self.prefix_hits, model, e).inc(hits)
 
     def observe_iteration(
         self,
@@ -127,17 +150,17 @@ class EngineMetrics:
         """One engine step. `batch_tokens`: tokens the step computed (prompt
         tokens not served from the prefix cache, plus generated ones)."""
         e = str(engine)
-        self.prompt_tokens.labels(model, e).inc(prompt_tokens)
-        self.generation_tokens.labels(model, e).inc(generation_tokens)
+        self._child(self.prompt_tokens, model, e).inc(prompt_tokens)
+        self._child(self.generation_tokens, model, e).inc(generation_tokens)
         if preemptions:
-            self.preemptions.labels(model, e).inc(preemptions)
+            self._child(self.preemptions, model, e).inc(preemptions)
         batch = prompt_tokens + generation_tokens if batch_tokens is None else batch_tokens
-        self.iteration_tokens.labels(model, e).observe(batch)
-        self.seed_batch_tokens.labels(model, e).inc(batch)
-        ttft = self.ttft.labels(model, e)
+        self._child(self.iteration_tokens, model, e).observe(batch)
+        self._child(self.seed_batch_tokens, model, e).inc(batch)
+        ttft = self._child(self.ttft, model, e)
         for v in ttfts:
             ttft.observe(v)
-        itl = self.itl.labels(model, e)
+        itl = self._child(self.itl, model, e)
         for v in itls:
             itl.observe(v)
 
@@ -152,8 +175,8 @@ class EngineMetrics:
         generation_tokens: int,
     ) -> None:
         e = str(engine)
-        self.success.labels(model, e, reason).inc()
-        self.e2e.labels(model, e).observe(e2e)
-        self.queue_time.labels(model, e).observe(queued)
-        self.req_prompt.labels(model, e).observe(prompt_tokens)
-        self.req_generation.labels(model, e).observe(generation_tokens)
+        self._child(self.success, model, e, reason).inc()
+        self._child(self.e2e, model, e).observe(e2e)
+        self._child(self.queue_time, model, e).observe(queued)
+        self._child(self.req_prompt, model, e).observe(prompt_tokens)
+        self._child(self.req_generation, model, e).observe(generation_tokens)

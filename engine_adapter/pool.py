@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from engine_adapter.channel import END, TICK, Ticker
+from engine_adapter.channel import END, TICK, Channel, Ticker, flatten
 from engine_adapter.errors import (
     EngineDead,
     EngineError,
@@ -241,13 +241,20 @@ class WorkerPool:
             waiter.future.set_result(target)
 
     # ---- generation ----------------------------------------------------
-    async def generate(
+    def generate(
         self, req: GenerationRequest, idle_tick: float | None = None
     ) -> AsyncIterator[EngineOutput | None]:
-        """Stream the deltas of `req`. Errors are `GatewayError`s. With
-        `idle_tick`, yields None whenever nothing came for that many seconds
-        (for SSE keep-alives), also while waiting in the queue."""
-        channel: asyncio.Queue[object] = asyncio.Queue()
+        """`batches`, one output at a time."""
+        return flatten(self.batches(req, idle_tick))
+
+    async def batches(
+        self, req: GenerationRequest, idle_tick: float | None = None
+    ) -> AsyncIterator[list[EngineOutput] | None]:
+        """Stream the deltas of `req`, in lists of what was ready together
+        (one engine step each when the consumer keeps up). Errors are
+        `GatewayError`s. With `idle_tick`, yields None whenever nothing came
+        for that many seconds (for SSE keep-alives), also while waiting in
+        the queue."""
         if not idle_tick or (not self._queue and self._pick() is not None):
             w = await self._acquire(req.priority, req.deadline)
         else:  # may wait in the queue: keep the client's connection alive
@@ -264,6 +271,7 @@ class WorkerPool:
                 else:
                     acquire.cancel()
                 raise
+        channel = Channel()
         ticker = Ticker(channel, idle_tick) if idle_tick else None
         producer = asyncio.ensure_future(self._pump(w, req, channel))
         w.tasks.add(producer)
@@ -276,21 +284,30 @@ class WorkerPool:
             timer = loop.call_later(max(0.0, delay), self._expire, producer, channel, req)
         try:
             while True:
-                try:
-                    item = channel.get_nowait()
-                except asyncio.QueueEmpty:
-                    item = await channel.get()
-                if item is END:
-                    return
-                if item is TICK:
+                batch: list[EngineOutput] = []
+                ended: BaseException | None = None
+                finished = ticked = False
+                for item in await channel.take():
+                    if isinstance(item, EngineOutput):
+                        batch.append(item)
+                    elif item is TICK:
+                        ticked = True
+                    elif item is END:
+                        finished = True
+                        break
+                    elif isinstance(item, BaseException):
+                        ended = item
+                        break
+                if batch:
+                    if ticker is not None:
+                        ticker.seen = True
+                    yield batch
+                elif ticked and not finished and ended is None:
                     yield None
-                    continue
-                if ticker is not None:
-                    ticker.seen = True
-                if isinstance(item, BaseException):
-                    raise item
-                assert isinstance(item, EngineOutput)
-                yield item
+                if ended is not None:
+                    raise ended
+                if finished:
+                    return
         finally:
             if timer is not None:
                 timer.cancel()
@@ -308,37 +325,30 @@ class WorkerPool:
                 self._idle.set()
             self._release(w)
 
-    def _expire(
-        self, producer: asyncio.Task[None], channel: asyncio.Queue[object], req: GenerationRequest
-    ) -> None:
+    def _expire(self, producer: asyncio.Task[None], channel: Channel, req: GenerationRequest) -> None:
         if not producer.done():
             producer.cancel()
-            channel.put_nowait(
-                RequestTimeout(
-                    "the request exceeded the gateway's request timeout and was aborted"
-                )
-            )
+            channel.put(RequestTimeout("the request exceeded the gateway's request timeout and was aborted"))
 
-    async def _pump(
-        self, w: Worker, req: GenerationRequest, channel: asyncio.Queue[object]
-    ) -> None:
+    async def _pump(self, w: Worker, req: GenerationRequest, channel: Channel) -> None:
+        put = channel.put
         try:
             async for out in w.engine.generate(req):
-                channel.put_nowait(out)
+                put(out)
             w.last_ready = time.monotonic()
-            channel.put_nowait(END)
+            put(END)
         except asyncio.CancelledError:
             await self._abort_quietly(w, req.request_id)
             if not self._accepting:
-                channel.put_nowait(ShuttingDown("the server shut down before the request finished"))
+                put(ShuttingDown("the server shut down before the request finished"))
             raise
         except GatewayError as e:
             if isinstance(e, EngineDead):
                 self._on_dead(w, e)
-            channel.put_nowait(e)
+            put(e)
         except Exception as e:  # an engine bug must not hang the client
             logger.exception("%s worker %d: generate failed", self.name, w.index)
-            channel.put_nowait(EngineError(f"engine error: {type(e).__name__}"))
+            put(EngineError(f"engine error: {type(e).__name__}"))
 
     async def _abort_quietly(self, w: Worker, request_id: str) -> None:
         try:

@@ -88,6 +88,6 @@ def create_app(
     install_error_handlers(app)
     for r in (chat, completions, embeddings, models, tokenize, health, admin):
         app.include_router(r.router)
-    routing_admin.setup_routing(app, registry)  # /admin/routes, served-by header, upstream metrics
+    routing_admin.setup_routing(app, registry)  # /admin/routes, upstream metrics
     app.add_middleware(GatewayMiddleware, metrics=gw_metrics, max_body=settings.max_request_body_bytes)
     return app

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine_adapter.metrics import Children
 from engine_adapter.pool import WorkerPool
 
 
@@ -72,6 +73,7 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         self.registry = registry
+        self._child = Children()
         self.http_requests = Counter(
             "npugw_http_requests", "HTTP requests by route and status.", ["route", "method", "status"], registry=r
         )
@@ -98,12 +100,16 @@ class GatewayMetrics:
     def rejections(self) -> dict[tuple[str, str], int]:
         return dict(self._rejections)
 
+    def http_done(self, route: str, method: str, status: int, seconds: float) -> None:
+        self._child(self.http_requests, route, method, str(status)).inc()
+        self._child(self.http_duration, route).observe(seconds)
+
     def key_request(self, name: str | None, model: str) -> None:
-        self.key_requests.labels(name or "anonymous", model).inc()
+        self._child(self.key_requests, name or "anonymous", model).inc()
 
     def key_used(self, name: str | None, model: str, prompt: int, completion: int) -> None:
         who = name or "anonymous"
         if prompt:
-            self.key_tokens.labels(who, model, "prompt").inc(prompt)
+            self._child(self.key_tokens, who, model, "prompt").inc(prompt)
         if completion:
-            self.key_tokens.labels(who, model, "completion").inc(completion)
+            self._child(self.key_tokens, who, model, "completion").inc(completion)

@@ -1,19 +1,32 @@
 """Pure ASGI middleware (no per-request task, streams untouched): request id,
-body limit, content type, HTTP metrics."""
+body limit, content type, HTTP metrics, and the routing context.
+
+One middleware, so one send and one receive wrapper per request: every SSE
+chunk goes through each wrapper in the stack.
+
+Routing context: each generation/embedding request gets a RouteContext with
+the session key in (the `X-Session-ID` header, else the body's `user`,
+parsed only if a router asks) and the served-by name out, as the
+`x-npugw-served-by` header. For a routed SSE response the headers wait for
+the first body chunk, when the answering target is known.
+"""
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapter.errors import GatewayError, InvalidRequest, RequestTooLarge
+from engine_adapter.routing import ROUTE_CONTEXT, RouteContext
 from server.errors import error_headers
 from server.metrics import GatewayMetrics
 
 _JSON_ROUTES = ("/v1/", "/tokenize", "/detokenize", "/admin/")
+_ROUTED_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/embeddings"))
+SERVED_BY = b"x-npugw-served-by"
 
 
 class GatewayMiddleware:
@@ -28,29 +41,66 @@ class GatewayMiddleware:
             return
         start = time.perf_counter()
         headers = dict(scope["headers"])
-        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:200] or uuid.uuid4().hex
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:200] or os.urandom(16).hex()
         scope.setdefault("state", {})["request_id"] = rid
         status = 500
         rid_header = (b"x-request-id", rid.encode("latin-1"))
+        ctx: RouteContext | None = None
+        held: Message | None = None
+        body: list[bytes] = []  # kept only until the router asked for the session or the response began
+        if scope["path"] in _ROUTED_PATHS:
+            ctx = RouteContext()
+            session = headers.get(b"x-session-id")
+            if session:
+                ctx.session = session.decode("latin-1")[:256]
+            else:
+                ctx.session_loader = lambda: _user_from(body)
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, held
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message["headers"] = [*message.get("headers", []), rid_header]
+                if ctx is not None:
+                    if ctx.routed:  # the answering target is known at the first body chunk
+                        held = message
+                        return
+                    body.clear()  # not routed: no router will ask for the session
+            elif held is not None:
+                first, held = held, None
+                await send(_with_served_by(first, ctx))
             await send(message)
 
+        seen = 0
+        limit = self.max_body
+
+        async def receive_wrapper() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                chunk = message.get("body", b"")
+                seen += len(chunk)
+                if seen > limit:
+                    raise RequestTooLarge(f"request body is over this server's limit of {limit} bytes")
+                if ctx is not None and ctx.session_loader is not None:
+                    body.append(chunk)
+            return message
+
+        token = ROUTE_CONTEXT.set(ctx) if ctx is not None else None
         try:
             err = self._precheck(scope, headers)
             if err is not None:
                 await _send_error(send_wrapper, err)
                 return
-            await self.app(scope, self._limited(receive), send_wrapper)
+            await self.app(scope, receive_wrapper, send_wrapper)
+            if held is not None:
+                await send(_with_served_by(held, ctx))
         finally:
+            if token is not None:
+                ROUTE_CONTEXT.reset(token)
             route = scope.get("route")
             path = getattr(route, "path", None) or "other"
-            self.metrics.http_requests.labels(path, scope["method"], str(status)).inc()
-            self.metrics.http_duration.labels(path).observe(time.perf_counter() - start)
+            self.metrics.http_done(path, scope["method"], status, time.perf_counter() - start)
 
     def _precheck(self, scope: Scope, headers: dict[bytes, bytes]) -> GatewayError | None:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -77,21 +127,6 @@ class GatewayMiddleware:
                 return err
         return None
 
-    def _limited(self, receive: Receive) -> Receive:
-        seen = 0
-        limit = self.max_body
-
-        async def wrapped() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise RequestTooLarge(f"request body is over this server's limit of {limit} bytes")
-            return message
-
-        return wrapped
-
 
 async def _send_error(send: Send, err: GatewayError) -> None:
     body = orjson.dumps(err.to_dict())
@@ -99,3 +134,23 @@ async def _send_error(send: Send, err: GatewayError) -> None:
     headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(err).items()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def _user_from(chunks: list[bytes]) -> str | None:
+    if not chunks:
+        return None
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    chunks.clear()
+    if b'"user"' not in body:
+        return None
+    try:
+        user = orjson.loads(body).get("user")
+    except (ValueError, AttributeError):
+        return None
+    return user if isinstance(user, str) and user else None
+
+
+def _with_served_by(message: Message, ctx: RouteContext | None) -> Message:
+    if ctx is None or ctx.served_by is None:
+        return message
+    return {**message, "headers": [*message.get("headers", []), (SERVED_BY, ctx.served_by.encode("latin-1"))]}

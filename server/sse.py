@@ -24,3 +24,20 @@ def error_event(err: GatewayError) -> bytes:
     """An error after the stream began: an error event (then send DONE)."""
     body = err.to_dict()
     return event(body)
+
+
+class Frames:
+    """Chunk events with a fixed head (id, object, created, model) encoded
+    once: `choice(c)` is `event({**head, "choices": [c]})`, byte for byte."""
+
+    __slots__ = ("_prefix",)
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self._prefix = b""
+        self.set_head(head)
+
+    def set_head(self, head: dict[str, Any]) -> None:
+        self._prefix = b"data: " + orjson.dumps(head)[:-1] + b',"choices":['
+
+    def choice(self, c: dict[str, Any]) -> bytes:
+        return self._prefix + orjson.dumps(c) + b"]}\n\n"

@@ -19,19 +19,19 @@ from server import sse
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-Stream = AsyncIterator[EngineOutput | None]
+Batches = AsyncIterator[list[EngineOutput] | None]
 
 
-async def merge(streams: list[tuple[int, Stream]]) -> AsyncIterator[tuple[int, EngineOutput | None]]:
-    """Interleave several streams, tagging each item with its stream's tag."""
+async def merge(streams: list[tuple[int, Batches]]) -> AsyncIterator[tuple[int, list[EngineOutput] | None]]:
+    """Interleave several streams of batches, tagging each with its stream's tag."""
     if len(streams) == 1:
         tag, only = streams[0]
         async for item in only:
             yield tag, item
         return
-    queue: asyncio.Queue[tuple[int, EngineOutput | None] | BaseException | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, list[EngineOutput] | None] | BaseException | None] = asyncio.Queue()
 
-    async def pump(tag: int, s: Stream) -> None:
+    async def pump(tag: int, s: Batches) -> None:
         try:
             async for item in s:
                 queue.put_nowait((tag, item))

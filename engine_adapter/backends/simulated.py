@@ -131,7 +131,7 @@ class SimulatedEngine:
                 await asyncio.sleep(cfg.ttft)
             for choice in range(req.sampling.n):
                 for i in range(n_out):
-                    if i and cfg.itl:
+                    if i:  # a real engine hands out one step at a time
                         await asyncio.sleep(cfg.itl)
                     if self._dead:
                         raise EngineDead("simulated engine died mid-request")

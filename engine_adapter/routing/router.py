@@ -27,6 +27,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from engine_adapter.channel import flatten
 from engine_adapter.errors import (
     EngineError,
     GatewayError,
@@ -63,6 +64,10 @@ class ServedPool(Protocol):
     def generate(
         self, req: GenerationRequest, idle_tick: float | None = None
     ) -> AsyncIterator[EngineOutput | None]: ...
+
+    def batches(
+        self, req: GenerationRequest, idle_tick: float | None = None
+    ) -> AsyncIterator[list[EngineOutput] | None]: ...
 
     async def embed(self, req: EmbeddingRequest) -> list[list[float]]: ...
 
@@ -258,9 +263,14 @@ class Router:
         return out
 
     # ---- requests -----------------------------------------------------------
-    async def generate(
+    def generate(
         self, req: GenerationRequest, idle_tick: float | None = None
     ) -> AsyncIterator[EngineOutput | None]:
+        return flatten(self.batches(req, idle_tick))
+
+    async def batches(
+        self, req: GenerationRequest, idle_tick: float | None = None
+    ) -> AsyncIterator[list[EngineOutput] | None]:
         ctx = ROUTE_CONTEXT.get()
         chain = self.chain(ctx)
         for i, (name, pool, target) in enumerate(chain):
@@ -268,13 +278,13 @@ class Router:
                 ctx.served_by = name
             start = time.monotonic()
             ttft: float | None = None
-            stream = pool.generate(replace(req, model=name), idle_tick)
+            stream = pool.batches(replace(req, model=name), idle_tick)
             try:
                 try:
-                    async for out in stream:
-                        if out is not None and ttft is None:
+                    async for batch in stream:
+                        if batch and ttft is None:
                             ttft = time.monotonic() - start
-                        yield out
+                        yield batch
                 finally:  # release the target's slot now, not when collected
                     close = getattr(stream, "aclose", None)
                     if close is not None:

@@ -76,10 +76,11 @@ async def _collect(
     choices = [Choice(i) for i in range(req.sampling.n)]
     prompt_tokens = len(req.prompt_token_ids)
     cached = 0
-    async for out in model.pool.generate(req):
-        assert out is not None
-        choices[out.index].add(out)
-        cached = out.cached_tokens or cached
+    async for batch in model.pool.batches(req):
+        assert batch is not None
+        for out in batch:
+            choices[out.index].add(out)
+            cached = out.cached_tokens or cached
     rendered = []
     for c in choices:
         message: dict[str, Any] = {"role": "assistant", "content": c.content}
@@ -121,43 +122,49 @@ async def _stream(
     admission: Admission,
 ) -> AsyncIterator[bytes]:
     head = {"id": req.request_id, "object": "chat.completion.chunk", "created": created, "model": model.id}
+    frames = sse.Frames(head)
     n = req.sampling.n
     started = [False] * n
     tokens = [0] * n
-    texts: list[list[str]] = [[] for _ in range(n)]
     streamers = [plan.streamer() if plan.active else None for _ in range(n)]
     cached = 0
+    first = True
 
     def chunk(index: int, delta: dict[str, Any], reason: str | None = None, lps: Any = None) -> bytes:
-        c: dict[str, Any] = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
-        return sse.event({**head, "choices": [c]})
+        return frames.choice({"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason})
 
     try:
-        async for out in model.pool.generate(req, idle_tick=keep_alive):
-            if out is None:
+        async for batch in model.pool.batches(req, idle_tick=keep_alive):
+            if batch is None:
                 yield sse.KEEP_ALIVE
                 continue
-            if not any(started):  # the first output: a router has chosen who answers
+            if first:  # the first output: a router has chosen who answers
+                first = False
                 head["model"] = model.served_by()
-            i = out.index
-            cached = out.cached_tokens or cached
-            if not started[i]:
-                started[i] = True
-                yield chunk(i, {"role": "assistant", "content": ""})
-            tokens[i] += len(out.token_ids)
-            lps = {"content": chat_logprobs(out.logprobs)} if want_logprobs and out.logprobs else None
-            streamer = streamers[i]
-            if streamer is None:
-                if out.text or out.finished or lps:
-                    yield chunk(i, {"content": out.text} if out.text else {}, finish(out.finish_reason), lps)
-                continue
-            texts[i].append(out.text)
-            for delta in streamer.feed(out.text, final=out.finished):
-                yield chunk(i, delta, None, lps)
-                lps = None
-            if out.finished:
-                reason = "tool_calls" if streamer.called else finish(out.finish_reason)
-                yield chunk(i, {}, reason, lps)
+                frames.set_head(head)
+            parts: list[bytes] = []  # one write for everything that was ready together
+            for out in batch:
+                i = out.index
+                cached = out.cached_tokens or cached
+                if not started[i]:
+                    started[i] = True
+                    parts.append(chunk(i, {"role": "assistant", "content": ""}))
+                tokens[i] += len(out.token_ids)
+                lps = {"content": chat_logprobs(out.logprobs)} if want_logprobs and out.logprobs else None
+                streamer = streamers[i]
+                if streamer is None:
+                    if out.text or out.finished or lps:
+                        delta = {"content": out.text} if out.text else {}
+                        parts.append(chunk(i, delta, finish(out.finish_reason), lps))
+                    continue
+                for delta in streamer.feed(out.text, final=out.finished):
+                    parts.append(chunk(i, delta, None, lps))
+                    lps = None
+                if out.finished:
+                    reason = "tool_calls" if streamer.called else finish(out.finish_reason)
+                    parts.append(chunk(i, {}, reason, lps))
+            if parts:
+                yield parts[0] if len(parts) == 1 else b"".join(parts)
         total = sum(tokens)
         if include_usage:
             yield sse.event({**head, "choices": [], "usage": usage(len(req.prompt_token_ids), total, cached)})

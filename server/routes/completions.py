@@ -76,18 +76,19 @@ async def _collect(
     lps = {key: CompletionLogprobs() for key in choices} if body.logprobs is not None else {}
     echoed: dict[tuple[int, int], str] = {}
     cached = 0
-    streams = [(p, model.pool.generate(r)) for p, r in enumerate(reqs)]
-    async for p, out in merge(streams):
-        assert out is not None
-        key = (p, out.index)
-        if body.echo and key not in echoed:
-            echoed[key] = _prompt_text(model, reqs[p])
-            if key in lps and out.prompt_logprobs is not None:
-                lps[key].add(out.prompt_logprobs)
-        choices[key].add(out)
-        if key in lps and out.logprobs:
-            lps[key].add(out.logprobs)
-        cached += out.cached_tokens if out.finished else 0
+    streams = [(p, model.pool.batches(r)) for p, r in enumerate(reqs)]
+    async for p, batch in merge(streams):
+        assert batch is not None
+        for out in batch:
+            key = (p, out.index)
+            if body.echo and key not in echoed:
+                echoed[key] = _prompt_text(model, reqs[p])
+                if key in lps and out.prompt_logprobs is not None:
+                    lps[key].add(out.prompt_logprobs)
+            choices[key].add(out)
+            if key in lps and out.logprobs:
+                lps[key].add(out.logprobs)
+            cached += out.cached_tokens if out.finished else 0
     rendered = []
     for key, c in sorted(choices.items(), key=lambda kv: kv[1].index):
         rendered.append(
@@ -121,45 +122,53 @@ async def _stream(
     admission: Admission,
 ) -> AsyncIterator[bytes]:
     head = {"id": rid, "object": "text_completion", "created": created, "model": model.id}
+    frames = sse.Frames(head)
     n = body.n
     echoed: set[tuple[int, int]] = set()
     keys = [(p, i) for p in range(len(reqs)) for i in range(n)]
     lps = {k: CompletionLogprobs() for k in keys} if body.logprobs is not None else {}
     tokens = 0
+    first = True
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     try:
-        streams = [(p, model.pool.generate(r, idle_tick=keep_alive)) for p, r in enumerate(reqs)]
-        async for p, out in merge(streams):
-            if out is None:
+        streams = [(p, model.pool.batches(r, idle_tick=keep_alive)) for p, r in enumerate(reqs)]
+        async for p, batch in merge(streams):
+            if batch is None:
                 yield sse.KEEP_ALIVE
                 continue
-            if head["model"] == model.id:
+            if first:  # the first output: a router has chosen who answers
+                first = False
                 head["model"] = model.served_by()
-            key = (p, out.index)
-            text = out.text
-            lp: dict[str, Any] | None = None
-            if key in lps:
-                acc = CompletionLogprobs(offset=lps[key].offset)
-                if body.echo and key not in echoed and out.prompt_logprobs is not None:
-                    acc.add(out.prompt_logprobs)
-                if out.logprobs:
-                    acc.add(out.logprobs)
-                lps[key].offset = acc.offset
-                lp = acc.as_dict()
-            if body.echo and key not in echoed:
-                echoed.add(key)
-                text = _prompt_text(model, reqs[p]) + text
-            tokens += len(out.token_ids)
-            if not text and not out.finished and lp is None:
-                continue
-            choice = {
-                "index": p * n + out.index,
-                "text": text,
-                "logprobs": lp,
-                "finish_reason": finish(out.finish_reason),
-                "stop_reason": out.stop_reason,
-            }
-            yield sse.event({**head, "choices": [choice]})
+                frames.set_head(head)
+            parts: list[bytes] = []  # one write for everything that was ready together
+            for out in batch:
+                key = (p, out.index)
+                text = out.text
+                lp: dict[str, Any] | None = None
+                if key in lps:
+                    acc = CompletionLogprobs(offset=lps[key].offset)
+                    if body.echo and key not in echoed and out.prompt_logprobs is not None:
+                        acc.add(out.prompt_logprobs)
+                    if out.logprobs:
+                        acc.add(out.logprobs)
+                    lps[key].offset = acc.offset
+                    lp = acc.as_dict()
+                if body.echo and key not in echoed:
+                    echoed.add(key)
+                    text = _prompt_text(model, reqs[p]) + text
+                tokens += len(out.token_ids)
+                if not text and not out.finished and lp is None:
+                    continue
+                choice = {
+                    "index": p * n + out.index,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": finish(out.finish_reason),
+                    "stop_reason": out.stop_reason,
+                }
+                parts.append(frames.choice(choice))
+            if parts:
+                yield parts[0] if len(parts) == 1 else b"".join(parts)
         if include_usage:
             yield sse.event({**head, "choices": [], "usage": usage(prompt_tokens, tokens)})
         yield sse.DONE

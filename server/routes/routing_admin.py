@@ -1,7 +1,6 @@
 """Routing at run time: `GET/POST /admin/routes` (aliases, canary weights,
-fallbacks), the SIGHUP reload of the settings file, and the ASGI glue that
-gives the router its session key (`X-Session-ID`, else the body's `user`) and
-tells the client which model answered (`x-npugw-served-by`).
+fallbacks) and the SIGHUP reload of the settings file. The per-request glue
+(session key in, `x-npugw-served-by` out) is in server/middleware.py.
 
 `setup_routing(app, registry)` wires it into `create_app`;
 `start_routing(app, gw)` builds the table in the lifespan, once the pools
@@ -16,16 +15,12 @@ import signal
 from dataclasses import replace
 from typing import Annotated, Any
 
-import orjson
 from fastapi import APIRouter, Depends, FastAPI
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapter.errors import GatewayError, InvalidRequest
 from engine_adapter.routing import (
-    ROUTE_CONTEXT,
-    RouteContext,
     RouteSpec,
     RoutingMetrics,
     RoutingTable,
@@ -43,8 +38,6 @@ logger = logging.getLogger(__name__)
 
 router = APIRouter(tags=["admin"])
 AdminDep = Annotated[Principal, Depends(require_admin)]
-SERVED_BY = b"x-npugw-served-by"
-_ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 class RoutesUpdate(BaseModel):
@@ -131,7 +124,6 @@ def setup_routing(app: FastAPI, registry: CollectorRegistry) -> None:
 
     registry.register(UpstreamCollector(pools))
     app.include_router(router)
-    app.add_middleware(RoutingContextMiddleware)
 
 
 def start_routing(app: FastAPI, gw: Gateway) -> None:
@@ -153,82 +145,3 @@ def stop_routing(app: FastAPI) -> None:
     if loop is not None:
         app.state.routing_sighup = None
         loop.remove_signal_handler(signal.SIGHUP)
-
-
-def _user_from(chunks: list[bytes]) -> str | None:
-    if not chunks:
-        return None
-    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    if b'"user"' not in body:
-        return None
-    try:
-        user = orjson.loads(body).get("user")
-    except (ValueError, AttributeError):
-        return None
-    return user if isinstance(user, str) and user else None
-
-
-class RoutingContextMiddleware:
-    """Pure ASGI. Gives each generation/embedding request a RouteContext:
-    the session key in (the `X-Session-ID` header, else the body's `user`,
-    parsed only if a router asks), the served-by name out as the
-    `x-npugw-served-by` header. For a routed SSE response the headers wait
-    for the first body chunk, when the answering target is known."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in _ROUTED_PATHS:
-            await self.app(scope, receive, send)
-            return
-        ctx = RouteContext()
-        for k, v in scope["headers"]:
-            if k == b"x-session-id" and v:
-                ctx.session = v.decode("latin-1")[:256]
-        chunks: list[bytes] = []  # the body, kept only until the router asked or the response began
-
-        def load() -> str | None:
-            try:
-                return _user_from(chunks)
-            finally:
-                chunks.clear()
-
-        if ctx.session is None:
-            ctx.session_loader = load
-
-        async def sniff() -> Message:
-            message = await receive()
-            if message["type"] == "http.request" and ctx.session_loader is not None:
-                chunks.append(message.get("body", b""))
-            return message
-
-        held: Message | None = None
-
-        async def send_wrapper(message: Message) -> None:
-            nonlocal held
-            if message["type"] == "http.response.start":
-                if ctx.routed:  # the answering target is known at the first body chunk
-                    held = message
-                    return
-                chunks.clear()  # not routed: no router will ask for the session
-                await send(message)
-                return
-            if held is not None:
-                start, held = held, None
-                await send(_with_served_by(start, ctx))
-            await send(message)
-
-        token = ROUTE_CONTEXT.set(ctx)
-        try:
-            await self.app(scope, sniff, send_wrapper)
-            if held is not None:
-                await send(_with_served_by(held, ctx))
-        finally:
-            ROUTE_CONTEXT.reset(token)
-
-
-def _with_served_by(message: Message, ctx: RouteContext) -> Message:
-    if ctx.served_by is None:
-        return message
-    return {**message, "headers": [*message.get("headers", []), (SERVED_BY, ctx.served_by.encode("latin-1"))]}

@@ -213,3 +213,41 @@ async def test_stop_drains_then_aborts_with_clean_errors() -> None:
     with pytest.raises(ShuttingDown):
         await long
     assert "long" in engines2[0].aborted
+
+
+@pytest.mark.asyncio
+async def test_batches_hold_what_was_ready_together() -> None:
+    """A consumer that keeps up gets one engine step per batch; a slow one
+    gets everything that piled up in one batch, in order, nothing twice."""
+    pool, _ = make_pool(SimulatedConfig(itl=0.01))
+    await pool.start()
+    fast = [b async for b in pool.batches(req("fast", max_tokens=6)) if b is not None]
+    assert [len(b) for b in fast] == [1] * 6
+    slow: list[list[EngineOutput]] = []
+    async for batch in pool.batches(req("slow", max_tokens=12)):
+        assert batch is not None
+        slow.append(batch)
+        await asyncio.sleep(0.06)  # the client is behind by several steps
+    flat = [o for b in slow for o in b]
+    assert [o.text for o in flat] == [o.text for o in await drain(pool, req("ref", max_tokens=12))]
+    assert len(flat) == 12 and flat[-1].finish_reason == "length"
+    assert max(len(b) for b in slow) >= 3 and len(slow) < 12
+    assert pool.running == 0
+    await pool.stop()
+
+
+@pytest.mark.asyncio
+async def test_engine_death_while_batching_ends_the_stream_with_the_error() -> None:
+    pool, engines = make_pool(SimulatedConfig(itl=0.01))
+    await pool.start()
+    got: list[EngineOutput] = []
+    with pytest.raises(EngineDead):
+        async for batch in pool.batches(req("a", max_tokens=50)):
+            assert batch is not None
+            got.extend(batch)
+            if len(got) >= 2:
+                engines[0].kill()
+                await asyncio.sleep(0.05)  # more outputs and the error pile up meanwhile
+    assert 2 <= len(got) < 50
+    assert pool.running == 0
+    await pool.stop()

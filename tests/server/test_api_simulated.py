@@ -346,3 +346,54 @@ async def test_metrics_key_and_long_prompt(client: httpx.AsyncClient) -> None:
         ok = await c.get("/metrics", headers={"Authorization": "Bearer sk-metrics"})
         assert ok.status_code == 200 and "npugw_http_requests_total" in ok.text
         assert (await c.get("/health")).status_code == 200 and (await c.get("/ready")).status_code == 200
+
+
+async def _asgi_stream(app: object, body: dict[str, object], write_delay: float) -> list[bytes]:
+    """Call the ASGI app directly with a client whose socket writes take
+    `write_delay` s; return the body of each write."""
+    writes: list[bytes] = []
+    sent = False
+    done = asyncio.Event()
+
+    async def receive() -> dict[str, object]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": orjson.dumps(body), "more_body": False}
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg: dict[str, object]) -> None:
+        if msg["type"] == "http.response.body":
+            await asyncio.sleep(write_delay)
+            writes.append(msg.get("body", b""))  # type: ignore[arg-type]
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+        "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {},
+    }
+    try:
+        await app(scope, receive, send)  # type: ignore[operator]
+    finally:
+        done.set()
+    return writes
+
+
+@pytest.mark.asyncio
+async def test_slow_client_gets_several_chunks_per_write_and_the_same_text() -> None:
+    sim = SimulatedConfig(itl=0.005, max_model_len=256)
+    body = {**CHAT, "max_tokens": 40, "stream": True}
+    async with running_app(sim=sim) as (c, app):
+        plain = (await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 40})).json()
+        writes = await _asgi_stream(app, body, write_delay=0.03)
+    events = [e for w in writes for e in w.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    chunks = [orjson.loads(e[6:]) for e in events[:-1]]
+    text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks)
+    assert text == plain["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len({ch["id"] for ch in chunks}) == 1
+    assert len(writes) < len(events) - 10  # tokens that piled up went out together
+    assert all(w.endswith(b"\n\n") or not w for w in writes)  # never an event cut across writes
