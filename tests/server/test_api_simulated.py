@@ -348,9 +348,12 @@ async def test_metrics_key_and_long_prompt(client: httpx.AsyncClient) -> None:
         assert (await c.get("/health")).status_code == 200 and (await c.get("/ready")).status_code == 200
 
 
-async def _asgi_stream(app: object, body: dict[str, object], write_delay: float) -> list[bytes]:
+async def _asgi_stream(
+    app: object, body: dict[str, object], write_delay: float = 0.0, leave_after: float | None = None
+) -> list[bytes]:
     """Call the ASGI app directly with a client whose socket writes take
-    `write_delay` s; return the body of each write."""
+    `write_delay` s (and who disconnects after `leave_after` s); return the
+    body of each write."""
     writes: list[bytes] = []
     sent = False
     done = asyncio.Event()
@@ -360,7 +363,10 @@ async def _asgi_stream(app: object, body: dict[str, object], write_delay: float)
         if not sent:
             sent = True
             return {"type": "http.request", "body": orjson.dumps(body), "more_body": False}
-        await done.wait()
+        if leave_after is not None:
+            await asyncio.sleep(leave_after)
+        else:
+            await done.wait()
         return {"type": "http.disconnect"}
 
     async def send(msg: dict[str, object]) -> None:
@@ -397,3 +403,17 @@ async def test_slow_client_gets_several_chunks_per_write_and_the_same_text() -> 
     assert len({ch["id"] for ch in chunks}) == 1
     assert len(writes) < len(events) - 10  # tokens that piled up went out together
     assert all(w.endswith(b"\n\n") or not w for w in writes)  # never an event cut across writes
+
+
+@pytest.mark.asyncio
+async def test_client_disconnect_mid_stream_aborts_the_engine_request() -> None:
+    sim = SimulatedConfig(itl=0.01, max_model_len=1024)
+    async with running_app(sim=sim) as (c, _app):
+        body = {**CHAT, "max_tokens": 500, "stream": True}
+        writes = await asyncio.wait_for(_asgi_stream(_app, body, leave_after=0.1), 2.0)
+        engine = c.engines[0]  # type: ignore[attr-defined]
+        assert 3 < len(writes) < 100  # some tokens went out, then the stream stopped
+        assert not any(b"[DONE]" in w for w in writes)
+        assert len(engine.aborted) == 1 and engine.stats().unfinished == 0
+        pool = _app.state.gateway.pools[0]
+        assert pool.running == 0 and pool.workers[0].in_flight == 0
