@@ -60,6 +60,9 @@ class GenerationRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() value; None: no deadline
     api_key_name: str | None = None
+    # False: the client takes the whole answer at once; an engine may then
+    # produce it in one piece (the remote backend makes one non-streamed call)
+    stream: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -207,6 +207,7 @@ def build_chat_request(
         sampling=opts,
         priority=body.priority if priority is None else priority,
         deadline=deadline_after(timeout),
+        stream=bool(body.stream),
         api_key_name=api_key_name,
     )
 
@@ -273,5 +274,6 @@ def build_completion_request(
         sampling=opts,
         priority=body.priority if priority is None else priority,
         deadline=deadline_after(timeout),
+        stream=bool(body.stream),
         api_key_name=api_key_name,
     )

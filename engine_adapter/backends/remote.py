@@ -7,9 +7,20 @@ The gateway tokenizes (a local tokenizer folder; `simulated` for the byte
 tokenizer of simulated upstreams; by default the embedded model's) and sends
 the token ids as the `prompt` of a streamed `/v1/completions` request with
 `stream_options.include_usage`. Deltas carry text; their `token_ids` are
-placeholders (`UNKNOWN_TOKEN`) whose number is right: one per delta with text
-(or the logprobs' token count), and the last delta carries the difference to
-the upstream's `usage.completion_tokens`.
+placeholders (`UNKNOWN_TOKEN`) whose number is right: one per upstream event
+with text (or the logprobs' token count), and the last delta carries the
+difference to the upstream's `usage.completion_tokens`. The events of one
+network read are parsed together and merged into one delta per choice (in the
+order the choices first appear), yielded at the end of that read: a slow
+stream still goes out token by token, a fast one costs one EngineOutput (and
+one pool hand-off) per read instead of per token.
+
+A request whose client does not stream (`GenerationRequest.stream` False) is
+one non-streamed upstream call: one JSON body, one EngineOutput per choice
+(token counts from `usage.completion_tokens`, split per choice by the
+logprobs, `max_tokens` for choices cut by length, else by text length). The
+upstream sends nothing before it has finished, so that call waits up to the
+request deadline, not just `read_timeout`.
 
 Errors before the first token (unreachable, timeout, 5xx, every URL ejected)
 are `ServiceUnavailable`, so a router can fall back; upstream 429 is
@@ -18,6 +29,9 @@ is an `EngineError`. `EngineDead` is never raised: the WorkerPool would
 restart this stateless engine in a loop; the breakers track upstream health.
 Cancelling `generate` (client disconnect) closes the upstream connection, so
 the upstream sees the disconnect and aborts too.
+
+The request body, the error mapping and the parsing helpers (no I/O) are in
+engine_adapter/backends/openai_wire.py.
 """
 
 from __future__ import annotations
@@ -26,101 +40,35 @@ import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from typing import Any, cast
+from typing import Any
 
 import aiohttp
 import orjson
 
-from engine_adapter.errors import (
-    EngineError,
-    GatewayError,
-    InvalidRequest,
-    QueueFull,
-    RequestTooLarge,
-    ServiceUnavailable,
+from engine_adapter.backends.openai_wire import (
+    UNKNOWN_TOKEN,
+    Merged,
+    broken,
+    completion_body,
+    event_error,
+    finish_reason,
+    parse_logprobs,
+    status_error,
+    whole_outputs,
 )
+from engine_adapter.errors import EngineError, InvalidRequest, ServiceUnavailable
 from engine_adapter.pool import WorkerPool
 from engine_adapter.routing.upstream import TIMEOUTS, Endpoint, Upstream, UpstreamConfig
 from engine_adapter.types import (
     EmbeddingRequest,
     EngineOutput,
     EngineStats,
-    FinishReason,
     GenerationRequest,
     ModelCard,
     Tokenizer,
-    TokenLogprob,
 )
 
-UNKNOWN_TOKEN = -1  # placeholder token id: the upstream sends text, not ids
-_REASONS: frozenset[str] = frozenset(("stop", "length", "abort", "error", "tool_calls"))
-
-
-def completion_body(req: GenerationRequest, model: str) -> dict[str, Any]:
-    s = req.sampling
-    body: dict[str, Any] = {
-        "model": model, "prompt": list(req.prompt_token_ids), "max_tokens": s.max_tokens, "n": s.n,
-        "temperature": s.temperature, "top_p": s.top_p, "stream": True, "stream_options": {"include_usage": True},
-    }
-    optional: dict[str, Any] = {
-        "top_k": s.top_k or None, "min_p": s.min_p or None, "seed": s.seed, "stop": list(s.stop) or None,
-        "stop_token_ids": list(s.stop_token_ids) or None, "presence_penalty": s.presence_penalty or None,
-        "frequency_penalty": s.frequency_penalty or None,
-        "repetition_penalty": s.repetition_penalty if s.repetition_penalty != 1.0 else None,
-        "logit_bias": {str(t): b for t, b in s.logit_bias} or None, "logprobs": s.logprobs,
-        "ignore_eos": s.ignore_eos or None, "min_tokens": s.min_tokens or None,
-        "skip_special_tokens": None if s.skip_special_tokens else False,
-        "include_stop_str_in_output": s.include_stop_str_in_output or None, "priority": req.priority or None,
-    }
-    so = s.structured
-    if so is not None:
-        if so.json_schema is not None:
-            schema = {"name": "schema", "schema": so.json_schema}
-            optional["response_format"] = {"type": "json_schema", "json_schema": schema}
-        elif so.json_object:
-            optional["response_format"] = {"type": "json_object"}
-        extra = {"regex": so.regex, "choice": list(so.choice) if so.choice else None, "grammar": so.grammar}
-        for key, value in extra.items():
-            if value is not None:  # vLLM >= 0.10 reads structured_outputs; older ones and npu-gateway guided_*
-                optional.setdefault("structured_outputs", {})[key] = value
-                optional[f"guided_{key}"] = value
-    body.update((k, v) for k, v in optional.items() if v is not None)
-    return body
-
-
-def _error_message(body: bytes) -> tuple[str, str | None]:
-    try:
-        err = orjson.loads(body).get("error")
-        return str(err.get("message")), err.get("type")
-    except (ValueError, AttributeError):
-        return body[:200].decode("utf-8", "replace") or "no body", None
-
-
-def _status_error(status: int, body: bytes, where: str) -> GatewayError:
-    msg = f"upstream {where} answered {status}: {_error_message(body)[0]}"
-    if status == 429:
-        return QueueFull(msg, retry_after=1)
-    if status == 413:
-        return RequestTooLarge(msg)
-    if 400 <= status < 500 and status not in (401, 403, 404, 408):
-        return InvalidRequest(msg, code="upstream_rejected")
-    return ServiceUnavailable(msg, code="upstream_error", retry_after=1)
-
-
-def _logprobs(raw: Any) -> list[TokenLogprob] | None:
-    """Completions-shaped logprobs (token strings; ids are unknown)."""
-    if not isinstance(raw, dict) or not raw.get("tokens"):
-        return None
-    n = len(raw["tokens"])
-    lps = raw.get("token_logprobs") or [None] * n
-    tops = raw.get("top_logprobs") or [None] * n
-    return [
-        TokenLogprob(
-            UNKNOWN_TOKEN, str(tok), float("-inf") if lp is None else float(lp),
-            tuple((UNKNOWN_TOKEN, str(t), float(v)) for t, v in (top or {}).items()),
-        )
-        for tok, lp, top in zip(raw["tokens"], lps, tops, strict=False)
-    ]
+__all__ = ["UNKNOWN_TOKEN", "RemoteEngine", "build_remote_pool", "completion_body", "is_remote", "load_tokenizer"]
 
 
 class RemoteEngine:
@@ -183,13 +131,17 @@ class RemoteEngine:
             resp: aiohttp.ClientResponse | None = None
             try:
                 try:
-                    resp = await self._open(ep, payload, headers)
+                    resp = await self._open(ep, payload, headers, None if req.stream else self._whole_timeout(req))
                 except ServiceUnavailable as e:  # nothing sent yet: one other URL may serve it
                     if len(tried) < min(2, len(up.endpoints)) and (req.deadline or 1e18) > time.monotonic():
                         last = e
                         continue
                     raise
                 self._responses[req.request_id] = resp
+                if not req.stream:
+                    for out in await self._read_whole(ep, resp, req):
+                        yield out
+                    return
                 async with aclosing(self._read(ep, resp, req)) as stream:
                     async for out in stream:
                         yield out
@@ -202,13 +154,28 @@ class RemoteEngine:
                 if resp is not None:
                     resp.close()  # no-op once released; else the upstream sees a disconnect
 
-    async def _open(self, ep: Endpoint, payload: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
+    def _whole_timeout(self, req: GenerationRequest) -> aiohttp.ClientTimeout:
+        """A non-streamed call's timeouts: the upstream says nothing until it
+        has generated everything, so `read_timeout` would cut long answers;
+        the request deadline bounds the wait instead (none without one)."""
+        c = self.upstream.cfg
+        wait = None if req.deadline is None else max(c.read_timeout, req.deadline - time.monotonic())
+        return aiohttp.ClientTimeout(total=None, sock_connect=c.connect_timeout, sock_read=wait)
+
+    async def _open(
+        self, ep: Endpoint, payload: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout | None = None
+    ) -> aiohttp.ClientResponse:
         up, where = self.upstream, f"{self.upstream.cfg.name!r} ({ep.url})"
+        url = ep.url + "/v1/completions"
         try:
-            resp = await up.session.post(ep.url + "/v1/completions", data=payload, headers=headers)
+            if timeout is None:
+                resp = await up.session.post(url, data=payload, headers=headers)
+            else:
+                resp = await up.session.post(url, data=payload, headers=headers, timeout=timeout)
         except TIMEOUTS:
             up.failed(ep, "timeout")
-            msg = f"upstream {where} did not answer within {up.cfg.read_timeout:g}s"
+            waited = up.cfg.read_timeout if timeout is None else timeout.sock_read
+            msg = f"upstream {where} did not answer within {waited or 0:g}s"
             raise ServiceUnavailable(msg, code="upstream_timeout", retry_after=1) from None
         except aiohttp.ClientError as e:
             up.failed(ep, type(e).__name__)
@@ -224,69 +191,109 @@ class RemoteEngine:
             resp.release()
         if resp.status >= 500 or resp.status in (401, 403, 404, 408):
             up.failed(ep, f"HTTP {resp.status}")
-        raise _status_error(resp.status, body, where)
+        raise status_error(resp.status, body, where)
 
     async def _read(
         self, ep: Endpoint, resp: aiohttp.ClientResponse, req: GenerationRequest
     ) -> AsyncGenerator[EngineOutput, None]:
-        """Parse the SSE stream. Finished choices are held back until the
-        usage event, so the last delta can carry the exact token count."""
+        """Parse the SSE stream, one network read at a time: the deltas of a
+        read are merged per choice and yielded at its end. Finished choices
+        are held back until the stream ends, so the last delta can carry the
+        exact token count from the usage event."""
         up, where = self.upstream, f"{self.upstream.cfg.name!r} ({ep.url})"
         plen, rid = len(req.prompt_token_ids), req.request_id
         pending: list[EngineOutput] = []
+        acc: dict[int, EngineOutput] = {}  # this read's unfinished deltas, one per choice
+        more: dict[int, Merged] | None = None  # the choices with several deltas in this read
         counted, sent, done = 0, False, False
         usage: dict[str, Any] | None = None
         buf = b""
+        loads = orjson.loads
         try:
             async for chunk in resp.content.iter_any():
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
+                if buf:
+                    chunk = buf + chunk
+                lines = chunk.split(b"\n")
+                buf = lines.pop()
+                if not lines:
+                    continue  # no whole line yet
+                acc, more = {}, None
+                datas = []  # blank separators and ": keep-alive" comments drop out
                 for line in lines:
-                    if not line.startswith(b"data:"):
-                        continue  # blank separators, ": keep-alive" comments
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        done = True
-                        break
-                    event = orjson.loads(data)
+                    if line[:5] == b"data:":
+                        datas.append(line[5:])  # JSON allows the spaces around
+                if not datas:
+                    continue
+                if datas[-1].strip() == b"[DONE]":
+                    done = True
+                    datas.pop()
+                # one parse per read (an array of the events), not one per event
+                events = (loads(datas[0]),) if len(datas) == 1 else loads(b"[" + b",".join(datas) + b"]")
+                for event in events:
                     if event.get("error"):
-                        raise _event_error(event, where, sent)
+                        raise event_error(event, where, sent)
                     for c in event.get("choices") or ():
                         text = c.get("text") or ""
-                        lps = _logprobs(c.get("logprobs"))
+                        raw = c.get("logprobs")
+                        lps = parse_logprobs(raw) if raw else None
                         ntok = len(lps) if lps is not None else (1 if text else 0)
                         counted += ntok
+                        index = int(c.get("index") or 0)
                         reason = c.get("finish_reason")
-                        out = EngineOutput(
-                            request_id=rid, index=int(c.get("index", 0)), text=text,
-                            token_ids=(UNKNOWN_TOKEN,) * ntok, logprobs=lps, prompt_tokens=plen,
-                            finish_reason=_finish(reason), stop_reason=c.get("stop_reason"),
-                        )
-                        if out.finish_reason is not None:
-                            pending.append(out)
+                        if reason is not None:
+                            pending.append(EngineOutput(
+                                request_id=rid, index=index, text=text, token_ids=(UNKNOWN_TOKEN,) * ntok,
+                                logprobs=lps, prompt_tokens=plen, finish_reason=finish_reason(reason),
+                                stop_reason=c.get("stop_reason"),
+                            ))
                         elif text or lps:
-                            sent = True
-                            yield out
+                            out = acc.get(index)
+                            if out is None:
+                                # positional: half the cost of keywords (request_id, index, text,
+                                # token_ids, logprobs, finish_reason, stop_reason, prompt_tokens)
+                                ids = (UNKNOWN_TOKEN,) * ntok
+                                acc[index] = EngineOutput(rid, index, text, ids, lps, None, None, plen)
+                            else:  # merged at the end of the read
+                                if more is None:
+                                    more = {}
+                                m = more.get(index)
+                                if m is None:
+                                    more[index] = m = Merged(out)
+                                m.add(text, ntok, lps)
                     usage = event.get("usage") or usage
+                if more:
+                    for m in more.values():
+                        m.apply()
                 if done:
-                    break
+                    break  # this read's deltas go out with the finished choices
+                if acc:
+                    sent = True
+                    for out in acc.values():
+                        yield out
         except TIMEOUTS:
             up.failed(ep, "read timeout")
             err = f"upstream {where} sent nothing for {up.cfg.read_timeout:g}s"
-            raise _broken(err, sent, "upstream_timeout") from None
+            raise broken(err, sent, "upstream_timeout") from None
         except aiohttp.ClientError as e:
             up.failed(ep, type(e).__name__)
             err = f"upstream {where} closed the stream mid-response ({type(e).__name__})"
-            raise _broken(err, sent, "upstream_disconnected") from None
-        except ValueError:
+            raise broken(err, sent, "upstream_disconnected") from None
+        except (ValueError, TypeError, AttributeError):
             up.failed(ep, "malformed event")
             raise EngineError(f"upstream {where} sent a malformed event", code="upstream_error") from None
         if len({o.index for o in pending}) < req.sampling.n:
             up.failed(ep, "stream cut short")
             err = f"upstream {where} ended the stream before every choice finished"
-            raise _broken(err, sent, "upstream_disconnected")
+            raise broken(err, sent, "upstream_disconnected")
         resp.release()
         up.succeeded(ep)
+        if done and acc:  # deltas of the last read: in front of their choice's finishing delta
+            for fin in pending:
+                out = acc.pop(fin.index, None)
+                if out is not None:
+                    m = Merged(out)
+                    m.add(fin.text, len(fin.token_ids), fin.logprobs)
+                    m.apply(fin)
         if usage is not None:
             last = pending[-1]
             missing = int(usage.get("completion_tokens") or 0) - counted
@@ -294,34 +301,42 @@ class RemoteEngine:
                 last.token_ids = (*last.token_ids, *(UNKNOWN_TOKEN,) * missing)
             details = usage.get("prompt_tokens_details") or {}
             last.cached_tokens = int(details.get("cached_tokens") or 0)
+        if done:
+            for out in acc.values():
+                yield out
         for out in pending:
             yield out
 
-
-def _finish(reason: Any) -> FinishReason | None:
-    if reason is None:
-        return None
-    return cast(FinishReason, reason) if reason in _REASONS else "stop"
-
-
-def _broken(msg: str, sent: bool, code: str) -> GatewayError:
-    """A stream that broke: retryable before the first token, not after."""
-    if sent:
-        return EngineError(msg, code=code)
-    return ServiceUnavailable(msg, code=code, retry_after=1)
-
-
-def _event_error(event: dict[str, Any], where: str, sent: bool) -> GatewayError:
-    err = event.get("error") or {}
-    msg = f"upstream {where}: {err.get('message') if isinstance(err, dict) else err}"
-    kind = err.get("type") if isinstance(err, dict) else None
-    if sent:
-        return EngineError(msg, code="upstream_error")
-    if kind == "rate_limit_error":
-        return QueueFull(msg, retry_after=1)
-    if kind == "invalid_request_error":
-        return InvalidRequest(msg, code="upstream_rejected")
-    return ServiceUnavailable(msg, code="upstream_error", retry_after=1)
+    async def _read_whole(
+        self, ep: Endpoint, resp: aiohttp.ClientResponse, req: GenerationRequest
+    ) -> list[EngineOutput]:
+        """A non-streamed answer: one EngineOutput per choice."""
+        up, where = self.upstream, f"{self.upstream.cfg.name!r} ({ep.url})"
+        try:
+            body = await resp.read()
+        except TIMEOUTS:
+            up.failed(ep, "read timeout")
+            err = f"upstream {where} did not finish sending its answer in time"
+            raise broken(err, False, "upstream_timeout") from None
+        except aiohttp.ClientError as e:
+            up.failed(ep, type(e).__name__)
+            err = f"upstream {where} closed the connection mid-response ({type(e).__name__})"
+            raise broken(err, False, "upstream_disconnected") from None
+        try:
+            answer = orjson.loads(body)
+            if answer.get("error"):
+                raise event_error(answer, where, False)
+            outs = whole_outputs(answer, req, self.upstream.tokenizer)
+        except (ValueError, TypeError, AttributeError, KeyError):
+            up.failed(ep, "malformed answer")
+            raise EngineError(f"upstream {where} sent a malformed answer", code="upstream_error") from None
+        if len({o.index for o in outs}) < req.sampling.n:
+            up.failed(ep, "choices missing")
+            err = f"upstream {where} answered {len(outs)} of {req.sampling.n} choices"
+            raise broken(err, False, "upstream_error")
+        resp.release()
+        up.succeeded(ep)
+        return outs
 
 
 def load_tokenizer(spec: str | None) -> Tokenizer:
