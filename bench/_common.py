@@ -35,6 +35,25 @@ MODEL_DIR = Path(os.path.expanduser("~/.cache/npu-gateway/SmolLM2-135M-Instruct-
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
+def gateway_command(before: Path | None = None) -> tuple[list[str], dict[str, str], Path]:
+    """argv prefix, extra env and cwd that run our gateway: this checkout's,
+    or (`before`: another checkout, e.g. `git worktree add /tmp/base HEAD~3`)
+    that checkout's code on this checkout's venv, for before/after runs."""
+    if before is None:
+        return [str(GATEWAY)], {}, ROOT
+    before = before.resolve()
+    if not (before / "server" / "cli.py").exists():
+        raise SystemExit(f"--before {before}: not a checkout of this project (no server/cli.py)")
+    return [str(MAIN_PY), "-m", "server.cli"], {"PYTHONPATH": str(before)}, before
+
+
+def git_commit(path: Path) -> str | None:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        return out.stdout.strip() or None
+    return None
+
+
 # ---------------------------------------------------------------- machine
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or ""

@@ -31,14 +31,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     BENCH,
-    GATEWAY,
     MAIN_PY,
     PEERS_BIN,
     PEERS_PY,
     RESULTS,
+    ROOT,
     Server,
     add_quiet_args,
     free_port,
+    gateway_command,
+    git_commit,
     machine_info,
     median,
     plot,
@@ -81,13 +83,14 @@ def wait_post_ok(url: str, srv: Server | None, timeout: float = 90) -> None:
 def make_target(kind: str, port: int, upstream: str, tmp: Path, args: argparse.Namespace) -> Server | None:
     if kind == "direct":
         return None
-    if kind == "ours":
+    if kind in ("ours", "ours-before"):
+        cmd, env, cwd = gateway_command(args.before if kind == "ours-before" else None)
         # the byte tokenizer: the fake upstream ignores the prompt, and the embedded
         # model's tokenizer would add its own cost (set --ours-tokenizer to compare)
         spec = f"{MODEL}={upstream};tokenizer={args.ours_tokenizer}"
         # --backend simulated: the local model is a cheap simulated one, so no vLLM engine starts
         argv = [
-            str(GATEWAY),
+            *cmd,
             "serve",
             "--backend",
             "simulated",
@@ -101,7 +104,7 @@ def make_target(kind: str, port: int, upstream: str, tmp: Path, args: argparse.N
             "warning",
             *args.ours_extra.split(),
         ]
-        return Server("overhead-ours", argv, f"http://127.0.0.1:{port}/health", ready_timeout=60)
+        return Server(f"overhead-{kind}", argv, f"http://127.0.0.1:{port}/health", env=env, cwd=cwd, ready_timeout=60)
     if kind == "litellm":
         cfg = tmp / "litellm.yaml"
         cfg.write_text(
@@ -268,6 +271,12 @@ def main() -> None:
     ap.add_argument("--high-concurrency", type=int, default=64)
     ap.add_argument("--ours-extra", default="", help="extra flags for npu-gateway serve")
     ap.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="another checkout (e.g. `git worktree add /tmp/base <commit>`): adds target ours-before, its code",
+    )
+    ap.add_argument(
         "--ours-tokenizer",
         default="simulated",
         help="tokenizer of the gateway's remote model: simulated (byte) or a folder",
@@ -277,6 +286,8 @@ def main() -> None:
     ap.add_argument("--profile-seconds", type=int, default=15)
     ap.add_argument("--name", default="gateway_overhead")
     args = ap.parse_args()
+    if args.before is not None and "ours-before" not in args.targets:
+        args.targets.insert(args.targets.index("ours") + 1 if "ours" in args.targets else 1, "ours-before")
     if "ours" in args.targets and not REMOTE_BACKEND.exists():
         raise SystemExit(f"{REMOTE_BACKEND} is not there yet: run with --targets direct litellm vllm-router")
     if shutil.which("wrk") is None:
@@ -426,7 +437,8 @@ def main() -> None:
             "peers": versions(PEERS_PY, ["litellm", "vllm-router", "aiohttp"]),
             "wrk": subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split("\n")[0],
         },
-        "config": vars(args),
+        "config": {**vars(args), "before": str(args.before) if args.before else None},
+        "commits": {"ours": git_commit(ROOT), "ours-before": git_commit(args.before) if args.before else None},
         "body": BODY,
         "runs": runs,
         "summary": agg,

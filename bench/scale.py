@@ -32,13 +32,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     BENCH,
-    GATEWAY,
     MAIN_PY,
     RESULTS,
+    ROOT,
     Server,
     add_quiet_args,
     free_port,
+    gateway_command,
+    git_commit,
     machine_info,
+    median,
     plot,
     pyspy_finish,
     pyspy_start,
@@ -51,9 +54,12 @@ from _common import (
 )
 
 
-def gateway(port: int, ttft: float, itl: float, tag: str, extra: list[str], ready: str = "/ready") -> Server:
+def gateway(
+    port: int, ttft: float, itl: float, tag: str, extra: list[str], ready: str = "/ready", before: Path | None = None
+) -> Server:
+    cmd, env, cwd = gateway_command(before)
     argv = [
-        str(GATEWAY),
+        *cmd,
         "serve",
         "--backend",
         "simulated",
@@ -73,7 +79,7 @@ def gateway(port: int, ttft: float, itl: float, tag: str, extra: list[str], read
         "warning",
         *extra,
     ]
-    return Server(f"scale-{tag}", argv, f"http://127.0.0.1:{port}{ready}", ready_timeout=60)
+    return Server(f"scale-{tag}", argv, f"http://127.0.0.1:{port}{ready}", env=env, cwd=cwd, ready_timeout=60)
 
 
 def loadgen(*args: Any, timeout: float = 300) -> dict[str, Any]:
@@ -83,6 +89,132 @@ def loadgen(*args: Any, timeout: float = 300) -> dict[str, Any]:
     if p.returncode != 0:
         raise RuntimeError(f"loadgen failed: {p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def measure(args: argparse.Namespace, url: str, pid: int, c: int) -> dict[str, Any]:
+    """One level: `c` streams back to back for `--duration` s."""
+    r = undisturbed(
+        args,
+        [pid],
+        lambda: loadgen(
+            "--url",
+            url,
+            "--model",
+            "simulated",
+            "--stream",
+            "--concurrency",
+            c,
+            "--duration",
+            args.duration,
+            "--warmup",
+            args.warmup,
+            "--max-tokens",
+            args.max_tokens,
+            "--measure-pid",
+            pid,
+            "--timeout",
+            120,
+        ),
+    )
+    tokens = r["ok"] * args.max_tokens
+    ideal = c / (args.ttft + (args.max_tokens - 1) * args.itl)
+    return {
+        "concurrency": c,
+        "req_s": r["req_s"],
+        "ideal_req_s": ideal,
+        "tokens_s": tokens / r["window_s"],
+        "ttft_p50_ms": r["ttft_p50_ms"],
+        "ttft_p99_ms": r["ttft_p99_ms"],
+        "lat_p50_ms": r["lat_p50_ms"],
+        "lat_p99_ms": r["lat_p99_ms"],
+        "errors": r["errors"],
+        "error_kinds": r["error_kinds"],
+        "gw_cpu_util": r.get("server_cpu_util"),
+        "gw_cpu_us_per_token": 1e6 * r["server_cpu_s"] / tokens if tokens else None,
+        "gw_cpu_ms_per_request": 1e3 * r["server_cpu_s"] / r["ok"] if r["ok"] else None,
+        "gw_rss_mb": r.get("server_rss_mb"),
+        "client_cpu_util": r.get("client_cpu_util"),
+        "foreign_cores": r["foreign_cores"],
+        "disturbed": r["disturbed"],
+        "raw": r,
+    }
+
+
+def compare_before(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+    """Part 3: this checkout vs `--before` (another checkout's code), both
+    up at once, alternating level by level and round by round."""
+    ports = {"before": free_port(), "after": free_port()}
+    runs: list[dict[str, Any]] = []
+    with (
+        gateway(ports["before"], args.ttft, args.itl, "before", extra, before=args.before) as old,
+        gateway(ports["after"], args.ttft, args.itl, "after", extra) as new,
+    ):
+        pids = {"before": old.pid, "after": new.pid}
+        for c in args.compare_levels:
+            for rnd in range(args.compare_rounds):
+                order = ("before", "after") if rnd % 2 == 0 else ("after", "before")
+                for which in order:
+                    url = f"http://127.0.0.1:{ports[which]}/v1/chat/completions"
+                    row = measure(args, url, pids[which], c)
+                    runs.append({"which": which, "round": rnd, **row})
+                    print(
+                        f"  {which:6s} c={c:<5} {row['req_s']:8.1f} req/s  TTFT p50 {row['ttft_p50_ms'] or 0:7.1f} ms"
+                        f"  gw CPU {row['gw_cpu_util'] or 0:.2f} core, {row['gw_cpu_us_per_token'] or 0:.1f} us/token",
+                        flush=True,
+                    )
+    summary = []
+    for c in args.compare_levels:
+        med: dict[str, dict[str, float]] = {}
+        for which in ("before", "after"):
+            rs = [r for r in runs if r["which"] == which and r["concurrency"] == c]
+            med[which] = {
+                k: median([r[k] for r in rs if r[k] is not None])
+                for k in ("req_s", "ttft_p50_ms", "gw_cpu_us_per_token", "gw_cpu_util")
+            }
+        b, a = med["before"], med["after"]
+        summary.append(
+            {
+                "concurrency": c,
+                "before": b,
+                "after": a,
+                "cpu_per_token_after_over_before": a["gw_cpu_us_per_token"] / b["gw_cpu_us_per_token"],
+                "req_s_after_over_before": a["req_s"] / b["req_s"],
+            }
+        )
+    txt = table(
+        [
+            "streams",
+            "before µs/token",
+            "after µs/token",
+            "after / before",
+            "before req/s",
+            "after req/s",
+            "before TTFT p50",
+            "after TTFT p50",
+        ],
+        [
+            [
+                x["concurrency"],
+                x["before"]["gw_cpu_us_per_token"],
+                x["after"]["gw_cpu_us_per_token"],
+                x["cpu_per_token_after_over_before"],
+                x["before"]["req_s"],
+                x["after"]["req_s"],
+                x["before"]["ttft_p50_ms"],
+                x["after"]["ttft_p50_ms"],
+            ]
+            for x in summary
+        ],
+    )
+    print(f"\nbefore ({git_commit(args.before)}) vs after ({git_commit(ROOT)}), medians\n{txt}")
+    return {
+        "before": str(args.before),
+        "before_commit": git_commit(args.before),
+        "after_commit": git_commit(ROOT),
+        "runs": runs,
+        "summary": summary,
+        "table_md": txt,
+    }
 
 
 def main() -> None:
@@ -96,6 +228,9 @@ def main() -> None:
     ap.add_argument("--idle-seconds", type=float, default=10.0)
     ap.add_argument("--hold", type=int, nargs="+", default=[1000, 2000], help="idle streams for the memory test")
     ap.add_argument("--gw-extra", default="", help="extra flags for npu-gateway serve")
+    ap.add_argument("--before", type=Path, default=None, help="another checkout: part 3 compares its code with ours")
+    ap.add_argument("--compare-levels", type=int, nargs="+", default=[100, 500, 1000])
+    ap.add_argument("--compare-rounds", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="py-spy the gateway during an extra c=500 run")
     ap.add_argument("--profile-conc", type=int, default=500)
     ap.add_argument("--profile-seconds", type=int, default=20)
@@ -132,54 +267,10 @@ def main() -> None:
             args.max_tokens,
         )
         for c in args.levels:
-            r = undisturbed(
-                args,
-                [srv.pid],
-                lambda c=c: loadgen(
-                    "--url",
-                    url,
-                    "--model",
-                    "simulated",
-                    "--stream",
-                    "--concurrency",
-                    c,
-                    "--duration",
-                    args.duration,
-                    "--warmup",
-                    args.warmup,
-                    "--max-tokens",
-                    args.max_tokens,
-                    "--measure-pid",
-                    srv.pid,
-                    "--timeout",
-                    120,
-                ),
-            )
-            tokens = r["ok"] * args.max_tokens
-            ideal = c / (args.ttft + (args.max_tokens - 1) * args.itl)
-            row = {
-                "concurrency": c,
-                "req_s": r["req_s"],
-                "ideal_req_s": ideal,
-                "tokens_s": tokens / r["window_s"],
-                "ttft_p50_ms": r["ttft_p50_ms"],
-                "ttft_p99_ms": r["ttft_p99_ms"],
-                "lat_p50_ms": r["lat_p50_ms"],
-                "lat_p99_ms": r["lat_p99_ms"],
-                "errors": r["errors"],
-                "error_kinds": r["error_kinds"],
-                "gw_cpu_util": r.get("server_cpu_util"),
-                "gw_cpu_us_per_token": 1e6 * r["server_cpu_s"] / tokens if tokens else None,
-                "gw_cpu_ms_per_request": 1e3 * r["server_cpu_s"] / r["ok"] if r["ok"] else None,
-                "gw_rss_mb": r.get("server_rss_mb"),
-                "client_cpu_util": r.get("client_cpu_util"),
-                "foreign_cores": r["foreign_cores"],
-                "disturbed": r["disturbed"],
-                "raw": r,
-            }
+            row = measure(args, url, srv.pid, c)
             levels.append(row)
             print(
-                f"c={c:<5} {row['req_s']:8.1f} req/s (ideal {ideal:7.1f})  {row['tokens_s']:8.0f} tok/s  "
+                f"c={c:<5} {row['req_s']:8.1f} req/s (ideal {row['ideal_req_s']:7.1f})  {row['tokens_s']:8.0f} tok/s  "
                 f"TTFT p50 {row['ttft_p50_ms'] or 0:7.1f} p99 {row['ttft_p99_ms'] or 0:7.1f} ms  "
                 f"gw CPU {row['gw_cpu_util'] or 0:.2f} core, {row['gw_cpu_us_per_token'] or 0:.0f} us/token  "
                 f"client {row['client_cpu_util'] or 0:.2f} core  errors {row['errors']}",
@@ -305,6 +396,9 @@ def main() -> None:
         "memory_table_md": mem_txt,
         "profile": profile,
     }
+    if args.before is not None:
+        wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign)
+        result["before_after"] = compare_before(args, extra)
     print(f"results: {save_json(args.name, result)}")
     xs = [r["concurrency"] for r in levels]
     mi = result["machine"]
