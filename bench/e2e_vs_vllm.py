@@ -233,13 +233,13 @@ def bench_serve(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--output-len-c64", type=int, default=0, help="output length for c >= 64 (both servers)")
-    ap.add_argument("--min-prompts", type=int, default=8)
-    ap.add_argument("--prompts-per-conc", type=int, default=2)
+    ap.add_argument("--min-prompts", type=int, default=24)
+    ap.add_argument("--prompts-per-conc", type=int, default=3)
     ap.add_argument("--servers", nargs="+", default=["ours", "vllm"], choices=["ours", "vllm"])
     ap.add_argument("--model", default=str(MODEL_DIR))
     ap.add_argument("--tokenizer", default=None)

@@ -104,7 +104,7 @@ LEFT=$(( BUDGET_S - ($(date +%s) - T0) ))
 echo "time left for the benchmark: ${LEFT}s"
 ARGS=(--model "$MODEL_DIR" --tokenizer "$MODEL_DIR" --served-name "$NAME" --load-format dummy
       --concurrency 1 16 256 --rounds "${GPU_CHECK_ROUNDS:-1}" --input-len 128 --python "$PY" --max-model-len 2048
-      --max-num-seqs 256 --min-prompts 8 --prompts-per-conc 2 --ready-timeout 200 --run-timeout 150)
+      --max-num-seqs 256 --min-prompts 16 --prompts-per-conc 2 --ready-timeout 200 --run-timeout 150)
 if [[ $MODE == cpu ]]; then
   ARGS+=(--device cpu --output-len 32 --name gpu_check_cpu_smoke --max-load 99)
 else
