@@ -338,7 +338,7 @@ class WorkerPool:
             w.last_ready = time.monotonic()
             put(END)
         except asyncio.CancelledError:
-            await self._abort_quietly(w, req.request_id)
+            await w.abort_quietly(req.request_id)
             if not self._accepting:
                 put(ShuttingDown("the server shut down before the request finished"))
             raise
@@ -349,12 +349,6 @@ class WorkerPool:
         except Exception as e:  # an engine bug must not hang the client
             logger.exception("%s worker %d: generate failed", self.name, w.index)
             put(EngineError(f"engine error: {type(e).__name__}"))
-
-    async def _abort_quietly(self, w: Worker, request_id: str) -> None:
-        try:
-            await w.engine.abort(request_id)
-        except Exception:
-            logger.debug("abort of %s failed", request_id, exc_info=True)
 
     async def embed(self, req: EmbeddingRequest) -> list[list[float]]:
         w = await self._acquire(req.priority, req.deadline)

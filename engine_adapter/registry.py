@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
-from engine_adapter.backends.vllm import VllmConfig, VllmEngine
+from engine_adapter.backends.vllm import VllmEngine
+from engine_adapter.backends.vllm_config import VllmConfig
 from engine_adapter.metrics import EngineMetrics
 from engine_adapter.pool import WorkerPool
 from engine_adapter.types import Engine

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
 from engine_adapter.types import Engine
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -23,6 +26,13 @@ class Worker:
     @property
     def free(self) -> int:
         return self.slots - self.in_flight if self.alive else 0
+
+    async def abort_quietly(self, request_id: str) -> None:
+        """Abort an engine request; a failure (engine gone) is only logged."""
+        try:
+            await self.engine.abort(request_id)
+        except Exception:
+            logger.debug("abort of %s failed", request_id, exc_info=True)
 
 
 @dataclass(order=True, slots=True)

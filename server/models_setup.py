@@ -6,7 +6,7 @@ import logging
 from dataclasses import replace
 
 from engine_adapter.backends.simulated import SimulatedConfig
-from engine_adapter.backends.vllm import VllmConfig
+from engine_adapter.backends.vllm_config import VllmConfig
 from engine_adapter.devices import detect_device
 from engine_adapter.metrics import EngineMetrics
 from engine_adapter.model import EMBEDDED_EMBEDDING_NAME, EMBEDDED_MODEL_NAME, resolve_model

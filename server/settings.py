@@ -209,7 +209,7 @@ def parse_engine_args(v: Any) -> dict[str, Any]:
     """`KEY=VALUE` items (flags), a JSON object (environment) or a mapping
     (YAML) -> {vLLM engine argument: value}. A key the gateway sets from its
     own settings is refused with the flag to use instead."""
-    from engine_adapter.backends.vllm import gateway_engine_keys
+    from engine_adapter.backends.vllm_config import gateway_engine_keys
 
     if v is None:
         return {}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
 
-from engine_adapter.backends.vllm import VllmConfig, gateway_engine_keys, make_engine_args
+from engine_adapter.backends.vllm_config import VllmConfig, gateway_engine_keys, make_engine_args
 from engine_adapter.model import embedded_model_dir, prepare_embedded_model
 from server.models_setup import model_specs
 from server.settings import Settings, add_settings_arguments, settings_from_args

