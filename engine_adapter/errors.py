@@ -1,34 +1,35 @@
-"""One error hierarchy for the whole request path.
+"""What can go wrong on the request path, as kinds.
 
-Every error a client can see is a `GatewayError`. Each subclass carries an
-HTTP status and an OpenAI error `type`; `server/errors.py` renders them as
-OpenAI error JSON, or as an SSE error event once a stream has begun.
+Every error a client can see is a `GatewayError`. A kind says what happened
+and nothing about HTTP: `server/errors.py` holds the one table from kind to
+status, API error type and `Retry-After`, for JSON bodies and SSE error
+events alike. Routers decide fallback on the kind (`fallback_reason`).
 
-    GatewayError
-    ├── InvalidRequest          400 invalid_request_error
-    │   └── ContextLengthExceeded 400 (code context_length_exceeded)
-    ├── AuthenticationError     401 authentication_error
-    ├── PermissionDenied        403 permission_error
-    ├── ModelNotFound           404 not_found_error (code model_not_found)
-    ├── NotFound                404 not_found_error
-    ├── RequestTooLarge         413 invalid_request_error
-    ├── RateLimited             429 rate_limit_error   (Retry-After)
-    │   └── QueueFull           429 (code queue_full)
-    ├── RequestTimeout          504 timeout_error
-    ├── EngineError             500 internal_server_error
-    └── ServiceUnavailable      503 service_unavailable (Retry-After)
-        ├── QueueTimeout        503 (code queue_timeout)
-        ├── EngineDead          503 (code engine_dead)
-        └── ShuttingDown        503 (code shutting_down)
+    GatewayError                  (an internal error)
+    ├── InvalidRequest            the request cannot be served as sent
+    │   ├── ContextLengthExceeded
+    │   ├── UnsupportedMediaType
+    │   └── MethodNotAllowed
+    ├── AuthenticationError       no key or an unknown key
+    ├── PermissionDenied          the key may not do this
+    ├── NotFound
+    │   └── ModelNotFound
+    ├── RequestTooLarge           the body is over the limit
+    ├── RateLimited               a per-key limit, or an upstream's 429
+    │   └── QueueFull             the model's queue is full
+    ├── RequestTimeout            the request ran past its deadline
+    ├── EngineError               the engine failed this request
+    └── ServiceUnavailable        nothing can serve it now (retry later)
+        ├── QueueTimeout          waited too long for an engine slot
+        ├── EngineDead            no live engine (restarting)
+        └── ShuttingDown          the server is draining
 """
 
 from __future__ import annotations
 
 
 class GatewayError(Exception):
-    status: int = 500
-    type: str = "internal_server_error"
-    code: str | None = None
+    code: str | None = None  # a machine-readable detail, e.g. "queue_full"
 
     def __init__(
         self,
@@ -47,41 +48,33 @@ class GatewayError(Exception):
         self.retry_after = retry_after
         self.headers = dict(headers or {})
 
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code if self.code is not None else self.status,
-            }
-        }
-
 
 class InvalidRequest(GatewayError):
-    status = 400
-    type = "invalid_request_error"
+    pass
 
 
 class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class UnsupportedMediaType(InvalidRequest):
+    code = "unsupported_media_type"
+
+
+class MethodNotAllowed(InvalidRequest):
+    code = "method_not_allowed"
+
+
 class AuthenticationError(GatewayError):
-    status = 401
-    type = "authentication_error"
     code = "invalid_api_key"
 
 
 class PermissionDenied(GatewayError):
-    status = 403
-    type = "permission_error"
     code = "model_not_allowed"
 
 
 class NotFound(GatewayError):
-    status = 404
-    type = "not_found_error"
+    pass
 
 
 class ModelNotFound(NotFound):
@@ -89,14 +82,10 @@ class ModelNotFound(NotFound):
 
 
 class RequestTooLarge(GatewayError):
-    status = 413
-    type = "invalid_request_error"
     code = "request_too_large"
 
 
 class RateLimited(GatewayError):
-    status = 429
-    type = "rate_limit_error"
     code = "rate_limit_exceeded"
 
 
@@ -105,20 +94,14 @@ class QueueFull(RateLimited):
 
 
 class RequestTimeout(GatewayError):
-    status = 504
-    type = "timeout_error"
     code = "request_timeout"
 
 
 class EngineError(GatewayError):
-    status = 500
-    type = "internal_server_error"
     code = "engine_error"
 
 
 class ServiceUnavailable(GatewayError):
-    status = 503
-    type = "service_unavailable"
     code = "service_unavailable"
 
 
@@ -132,3 +115,31 @@ class EngineDead(ServiceUnavailable):
 
 class ShuttingDown(ServiceUnavailable):
     code = "shutting_down"
+
+
+def fallback_reason(e: GatewayError) -> str | None:
+    """Why a request that failed on one target (before its first token) may
+    move to the next one, or None when no other target would do better: the
+    request itself is bad, the key is over a limit, the deadline passed or
+    the server is draining."""
+    if isinstance(e, QueueFull):
+        return "queue_full"
+    if isinstance(e, QueueTimeout):
+        return "queue_timeout"
+    if isinstance(e, ShuttingDown | RequestTimeout):
+        return None
+    if isinstance(e, ServiceUnavailable):
+        return "unavailable"
+    if isinstance(e, RateLimited):  # an upstream's 429: another target may have room
+        return "queue_full"
+    if isinstance(e, EngineError) or type(e) is GatewayError:
+        return "error"
+    return None
+
+
+def target_failed(e: GatewayError) -> bool:
+    """Whether `e` says the target itself failed (for canary windows), as
+    opposed to the request, the key, the queue or a shutdown."""
+    if isinstance(e, QueueTimeout | ShuttingDown):
+        return False
+    return isinstance(e, EngineError | ServiceUnavailable) or type(e) is GatewayError

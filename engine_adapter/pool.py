@@ -22,9 +22,9 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-from engine_adapter.channel import END, TICK, Channel, Ticker, flatten
+from engine_adapter.channel import END, TICK, Channel, Ticker
 from engine_adapter.errors import (
     EngineDead,
     EngineError,
@@ -34,8 +34,10 @@ from engine_adapter.errors import (
     RequestTimeout,
     ShuttingDown,
 )
+from engine_adapter.lease import PoolLease, Slot
 from engine_adapter.readiness import probe_once
 from engine_adapter.types import (
+    Embedded,
     EmbeddingRequest,
     Engine,
     EngineOutput,
@@ -111,7 +113,8 @@ class WorkerPool:
         return [w.engine.stats() for w in self.workers]
 
     def ready(self, now: float | None = None) -> bool:
-        """At least one live worker did a real generation recently."""
+        """At least one live worker did a real generation recently (passive
+        readiness: or produced output)."""
         return self._accepting and self.ready_workers(now) > 0
 
     # ---- lifecycle -----------------------------------------------------
@@ -142,7 +145,7 @@ class WorkerPool:
         if self._running and timeout > 0:
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout)
-            except TimeoutError:
+            except (TimeoutError, asyncio.TimeoutError):
                 logger.warning(
                     "%s: %d requests still running after %.1fs; aborting them",
                     self.name, self._running, timeout,
@@ -171,8 +174,23 @@ class WorkerPool:
                 best = w
         return best
 
+    async def acquire(self, reqs: Sequence[GenerationRequest], session: str | None = None) -> PoolLease:
+        """Admission: an engine slot for each of `reqs` (the prompts of one
+        client request), or a `GatewayError` kind. `session` is for routers;
+        a pool balances by load."""
+        held: list[tuple[GenerationRequest, Slot]] = []
+        try:
+            for r in reqs:
+                held.append((r, Slot(await self._acquire(r.priority, r.deadline))))
+        except BaseException:
+            for _, slot in held:
+                self._release_slot(slot)
+            raise
+        return PoolLease(self.name, held, self._run, self._release_slot)
+
     async def _acquire(self, priority: int, deadline: float | None) -> Worker:
         if not self._accepting:
+            self.counters.rejected["shutting_down"] += 1
             raise ShuttingDown("the server is shutting down", retry_after=5)
         if not self._queue:
             w = self._pick()
@@ -202,7 +220,7 @@ class WorkerPool:
             wait = min(wait, max(0.0, deadline - time.monotonic()))
         try:
             w = await asyncio.wait_for(asyncio.shield(waiter.future), wait)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):
             self._forget(waiter)
             if waiter.future.done() and not waiter.future.exception():
                 return waiter.future.result()  # assigned at the last moment
@@ -227,6 +245,11 @@ class WorkerPool:
                 self._queued -= 1
                 self._queued_by_priority[waiter.priority] -= 1
 
+    def _release_slot(self, slot: Slot) -> None:
+        if not slot.released:
+            slot.released = True
+            self._release(slot.worker)
+
     def _release(self, w: Worker) -> None:
         w.in_flight -= 1
         while self._queue and w.free > 0:
@@ -241,36 +264,28 @@ class WorkerPool:
             waiter.future.set_result(target)
 
     # ---- generation ----------------------------------------------------
-    def generate(
+    async def generate(
         self, req: GenerationRequest, idle_tick: float | None = None
     ) -> AsyncIterator[EngineOutput | None]:
-        """`batches`, one output at a time."""
-        return flatten(self.batches(req, idle_tick))
+        """Admit `req`, then its outputs one at a time (None: an idle tick).
+        For probes and tests; the HTTP layer acquires and streams itself."""
+        lease = await self.acquire([req])
+        async for _, batch in lease.stream(idle_tick):
+            if batch is None:
+                yield None
+                continue
+            for out in batch:
+                yield out
 
-    async def batches(
-        self, req: GenerationRequest, idle_tick: float | None = None
+    async def _run(
+        self, slot: Slot, req: GenerationRequest, idle_tick: float | None = None
     ) -> AsyncIterator[list[EngineOutput] | None]:
-        """Stream the deltas of `req`, in lists of what was ready together
-        (one engine step each when the consumer keeps up). Errors are
-        `GatewayError`s. With `idle_tick`, yields None whenever nothing came
-        for that many seconds (for SSE keep-alives), also while waiting in
-        the queue."""
-        if not idle_tick or (not self._queue and self._pick() is not None):
-            w = await self._acquire(req.priority, req.deadline)
-        else:  # may wait in the queue: keep the client's connection alive
-            acquire = asyncio.ensure_future(self._acquire(req.priority, req.deadline))
-            try:
-                while not acquire.done():
-                    done, _ = await asyncio.wait((acquire,), timeout=idle_tick)
-                    if not done:
-                        yield None
-                w = await acquire
-            except BaseException:
-                if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
-                    self._release(acquire.result())
-                else:
-                    acquire.cancel()
-                raise
+        """Run an admitted request on its slot's worker: its deltas in lists
+        of what was ready together (one engine step each when the consumer
+        keeps up). Errors are `GatewayError`s. With `idle_tick`, yields None
+        whenever nothing came for that many seconds (SSE keep-alives). The
+        slot is released at the end, however it ends."""
+        w = slot.worker
         channel = Channel()
         ticker = Ticker(channel, idle_tick) if idle_tick else None
         producer = asyncio.ensure_future(self._pump(w, req, channel))
@@ -323,7 +338,7 @@ class WorkerPool:
             self._running -= 1
             if self._running == 0:
                 self._idle.set()
-            self._release(w)
+            self._release_slot(slot)
 
     def _expire(self, producer: asyncio.Task[None], channel: Channel, req: GenerationRequest) -> None:
         if not producer.done():
@@ -350,7 +365,7 @@ class WorkerPool:
             logger.exception("%s worker %d: generate failed", self.name, w.index)
             put(EngineError(f"engine error: {type(e).__name__}"))
 
-    async def embed(self, req: EmbeddingRequest) -> list[list[float]]:
+    async def embed(self, req: EmbeddingRequest, session: str | None = None) -> Embedded:
         w = await self._acquire(req.priority, req.deadline)
         self._running += 1
         self._idle.clear()
@@ -358,10 +373,12 @@ class WorkerPool:
             coro = w.engine.embed(req)
             if req.deadline is not None:
                 try:
-                    return await asyncio.wait_for(coro, max(0.0, req.deadline - time.monotonic()))
-                except TimeoutError:
+                    vectors = await asyncio.wait_for(coro, max(0.0, req.deadline - time.monotonic()))
+                except (TimeoutError, asyncio.TimeoutError):
                     raise RequestTimeout("the embedding request exceeded the request timeout") from None
-            return await coro
+            else:
+                vectors = await coro
+            return Embedded(self.name, vectors)
         except EngineDead as e:
             self._on_dead(w, e)
             raise
@@ -424,13 +441,22 @@ class WorkerPool:
             return
         w.last_ready = time.monotonic()
 
+    # Passive readiness: output the engine produced (Worker.saw_output)
+    # counts as a good probe, so an engine busy with real requests gets no
+    # probe requests; an idle or stalled one is probed. False: only probes
+    # and finished requests count (`--readiness-probe active`).
+    passive_readiness: bool = True
+
     async def _probe_loop(self, w: Worker) -> None:
-        # A finished real request counts as a probe, so a busy worker is not
-        # probed; an idle one is, twice per interval.
+        # A finished real request (passive: any output) counts as a probe, so
+        # a busy worker is not probed; an idle or stalled one is, twice per
+        # interval. A hung engine shows no output and fails its probe, so it
+        # turns not-ready at most `readiness_interval` after its last output.
         half = self.readiness_interval / 2
         while True:
             await asyncio.sleep(half)
-            fresh = w.last_ready is not None and time.monotonic() - w.last_ready < half
+            seen = w.last_sign_of_life(self.passive_readiness)
+            fresh = seen is not None and time.monotonic() - seen < half
             if w.alive and not fresh:
                 await self._probe(w)
 
@@ -439,9 +465,10 @@ class WorkerPool:
 
     def ready_workers(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
-        return sum(
-            1
-            for w in self.workers
-            if w.alive and w.last_ready is not None and now - w.last_ready <= self.readiness_interval
-        )
+        n = 0
+        for w in self.workers:
+            seen = w.last_sign_of_life(self.passive_readiness)
+            if w.alive and seen is not None and now - seen <= self.readiness_interval:
+                n += 1
+        return n
 

@@ -77,6 +77,14 @@ class EmbeddingRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Embedded:
+    """An embedding answer and the served model that computed it."""
+
+    served_by: str
+    vectors: list[list[float]]
+
+
+@dataclass(frozen=True, slots=True)
 class TokenLogprob:
     token_id: int
     token: str

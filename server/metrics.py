@@ -53,7 +53,7 @@ class PoolCollector(Collector):
             for prio, n in by_prio.items():
                 depth.add_metric([p.name, str(prio)], n)
             running.add_metric([p.name], p.running)
-            for reason in ("queue_full", "queue_timeout", "no_worker"):
+            for reason in ("queue_full", "queue_timeout", "no_worker", "shutting_down"):
                 rejected.add_metric([p.name, reason], p.counters.rejected.get(reason, 0))
             alive.add_metric([p.name], p.alive_workers())
             ready.add_metric([p.name], p.ready_workers())

@@ -1,14 +1,10 @@
 """Pure ASGI middleware (no per-request task, streams untouched): request id,
-body limit, content type, HTTP metrics, and the routing context.
+body limit, content type and HTTP metrics.
 
 One middleware, so one send and one receive wrapper per request: every SSE
-chunk goes through each wrapper in the stack.
-
-Routing context: each generation/embedding request gets a RouteContext with
-the session key in (the `X-Session-ID` header, else the body's `user`,
-parsed only if a router asks) and the served-by name out, as the
-`x-npugw-served-by` header. For a routed SSE response the headers wait for
-the first body chunk, when the answering target is known.
+chunk goes through each wrapper in the stack. It never reads or buffers a
+body: routing data (the session key, the target that answered) travels in
+the request and the lease.
 """
 
 from __future__ import annotations
@@ -19,14 +15,11 @@ import time
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine_adapter.errors import GatewayError, InvalidRequest, RequestTooLarge
-from engine_adapter.routing import ROUTE_CONTEXT, RouteContext
-from server.errors import error_headers
+from engine_adapter.errors import GatewayError, InvalidRequest, RequestTooLarge, UnsupportedMediaType
+from server.errors import error_body, error_headers, status_of
 from server.metrics import GatewayMetrics
 
 _JSON_ROUTES = ("/v1/", "/tokenize", "/detokenize", "/admin/")
-_ROUTED_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/embeddings"))
-SERVED_BY = b"x-npugw-served-by"
 
 
 class GatewayMiddleware:
@@ -45,30 +38,12 @@ class GatewayMiddleware:
         scope.setdefault("state", {})["request_id"] = rid
         status = 500
         rid_header = (b"x-request-id", rid.encode("latin-1"))
-        ctx: RouteContext | None = None
-        held: Message | None = None
-        body: list[bytes] = []  # kept only until the router asked for the session or the response began
-        if scope["path"] in _ROUTED_PATHS:
-            ctx = RouteContext()
-            session = headers.get(b"x-session-id")
-            if session:
-                ctx.session = session.decode("latin-1")[:256]
-            else:
-                ctx.session_loader = lambda: _user_from(body)
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status, held
+            nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message["headers"] = [*message.get("headers", []), rid_header]
-                if ctx is not None:
-                    if ctx.routed:  # the answering target is known at the first body chunk
-                        held = message
-                        return
-                    body.clear()  # not routed: no router will ask for the session
-            elif held is not None:
-                first, held = held, None
-                await send(_with_served_by(first, ctx))
             await send(message)
 
         seen = 0
@@ -78,26 +53,18 @@ class GatewayMiddleware:
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
-                chunk = message.get("body", b"")
-                seen += len(chunk)
+                seen += len(message.get("body", b""))
                 if seen > limit:
                     raise RequestTooLarge(f"request body is over this server's limit of {limit} bytes")
-                if ctx is not None and ctx.session_loader is not None:
-                    body.append(chunk)
             return message
 
-        token = ROUTE_CONTEXT.set(ctx) if ctx is not None else None
         try:
             err = self._precheck(scope, headers)
             if err is not None:
                 await _send_error(send_wrapper, err)
                 return
             await self.app(scope, receive_wrapper, send_wrapper)
-            if held is not None:
-                await send(_with_served_by(held, ctx))
         finally:
-            if token is not None:
-                ROUTE_CONTEXT.reset(token)
             route = scope.get("route")
             path = getattr(route, "path", None) or "other"
             self.metrics.http_done(path, scope["method"], status, time.perf_counter() - start)
@@ -119,38 +86,15 @@ class GatewayMiddleware:
         if path.startswith(_JSON_ROUTES):
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if ctype != b"application/json" and length != b"0":
-                err = InvalidRequest(
-                    f"Content-Type must be application/json, not {ctype.decode('latin-1') or 'missing'}",
-                    code="unsupported_media_type",
+                return UnsupportedMediaType(
+                    f"Content-Type must be application/json, not {ctype.decode('latin-1') or 'missing'}"
                 )
-                err.status = 415
-                return err
         return None
 
 
 async def _send_error(send: Send, err: GatewayError) -> None:
-    body = orjson.dumps(err.to_dict())
+    body = orjson.dumps(error_body(err))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(err).items()]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status_of(err), "headers": headers})
     await send({"type": "http.response.body", "body": body})
-
-
-def _user_from(chunks: list[bytes]) -> str | None:
-    if not chunks:
-        return None
-    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    chunks.clear()
-    if b'"user"' not in body:
-        return None
-    try:
-        user = orjson.loads(body).get("user")
-    except (ValueError, AttributeError):
-        return None
-    return user if isinstance(user, str) and user else None
-
-
-def _with_served_by(message: Message, ctx: RouteContext | None) -> Message:
-    if ctx is None or ctx.served_by is None:
-        return message
-    return {**message, "headers": [*message.get("headers", []), (SERVED_BY, ctx.served_by.encode("latin-1"))]}

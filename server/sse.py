@@ -6,8 +6,6 @@ from typing import Any
 
 import orjson
 
-from engine_adapter.errors import GatewayError
-
 DONE = b"data: [DONE]\n\n"
 KEEP_ALIVE = b": keep-alive\n\n"
 SSE_HEADERS = {
@@ -18,12 +16,6 @@ SSE_HEADERS = {
 
 def event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-def error_event(err: GatewayError) -> bytes:
-    """An error after the stream began: an error event (then send DONE)."""
-    body = err.to_dict()
-    return event(body)
 
 
 class Frames:

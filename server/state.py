@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from engine_adapter.errors import InvalidRequest, ModelNotFound
 from engine_adapter.pool import WorkerPool
-from engine_adapter.routing import ROUTE_CONTEXT, Router, RoutingTable, ServedPool
+from engine_adapter.routing import Router, RoutingTable, ServedPool
 from server.settings import Settings
 
 if TYPE_CHECKING:
@@ -28,11 +28,10 @@ class ServedModel:
     def kind(self) -> str:
         return self.pool.card.kind
 
-    def served_by(self) -> str:
-        """The model that answers the current request: the target a router
-        chose (once generation started), else this model's id."""
-        ctx = ROUTE_CONTEXT.get()
-        return ctx.served_by if ctx is not None and ctx.served_by else self.id
+    @property
+    def routed(self) -> bool:
+        """An alias or a name with fallbacks: a router picks the target."""
+        return isinstance(self.pool, Router)
 
 
 class Gateway:
@@ -102,10 +101,6 @@ class Gateway:
         model = self.models.get(name)
         if model is None:
             raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
-        if isinstance(model.pool, Router):
-            ctx = ROUTE_CONTEXT.get()
-            if ctx is not None:
-                ctx.routed = True
         if model.kind != kind:
             what = "an embedding" if model.kind == "embed" else "a generation"
             raise InvalidRequest(

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -91,3 +92,23 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     if not found:
         raise KeyError(f"no sample {name}{labels}")
     return total
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `cond` until it holds; fail after `timeout` seconds (a deadline
+    for a hung test, not a timing assertion)."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def wait_until_sync(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.02)

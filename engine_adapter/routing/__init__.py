@@ -3,16 +3,15 @@ sessions, automatic canary rollback, ordered fallbacks, and the upstreams of
 the `remote` backend (balancing, circuit breakers, health checks)."""
 
 from engine_adapter.routing.metrics import RoutingMetrics, UpstreamCollector
-from engine_adapter.routing.router import ROUTE_CONTEXT, RouteContext, Router, ServedPool
+from engine_adapter.routing.router import Router, RouterLease, ServedPool
 from engine_adapter.routing.spec import CanaryPolicy, RouteSpec, parse_alias, parse_fallback, route_specs
 from engine_adapter.routing.table import RoutingTable
 
 __all__ = [
-    "ROUTE_CONTEXT",
     "CanaryPolicy",
-    "RouteContext",
     "RouteSpec",
     "Router",
+    "RouterLease",
     "RoutingMetrics",
     "RoutingTable",
     "ServedPool",

@@ -1,14 +1,17 @@
 """A `Router` serves one alias over several targets (served models, each a
 WorkerPool of local or remote engines, so queueing and admission stay the
-pools'). It has the surface the HTTP routes use from a pool (`generate`,
+pools'). It has the surface the HTTP routes use from a pool (`acquire`,
 `embed`, `card`, `tokenizer`, `name`, `ready()`, ...).
 
 - Weighted choice; with a session key (X-Session-ID or the request's `user`,
-  given through `ROUTE_CONTEXT`) weighted rendezvous hashing, so a session
-  stays on one target and a weight change moves only the sessions it must.
-- Fallback: before the first token, QueueFull, QueueTimeout, a 5xx or an
-  unavailable target moves the request to the next target of the alias's
-  ordered fallback list. Never after a token was yielded.
+  passed to `acquire`) weighted rendezvous hashing, so a session stays on
+  one target and a weight change moves only the sessions it must.
+- Fallback at admission: a full queue, a queue timeout or an unavailable
+  target moves the request to the next target of the alias's ordered
+  fallback list before the response starts, so the lease (and the
+  `x-npugw-served-by` header) already names the target that answers.
+- Fallback in the stream: an engine failure before the first token moves
+  the request on as well. Never after a token was yielded.
 - Canary rollback: a target with less than the largest weight whose error
   rate or TTFT p95 over a sliding window is past the policy's threshold gets
   weight 0 (log line, metric) until the routes are set again.
@@ -22,24 +25,15 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextvars import ContextVar
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from engine_adapter.channel import flatten
-from engine_adapter.errors import (
-    EngineError,
-    GatewayError,
-    QueueFull,
-    QueueTimeout,
-    RequestTimeout,
-    ServiceUnavailable,
-    ShuttingDown,
-)
+from engine_adapter.errors import GatewayError, ServiceUnavailable, fallback_reason, target_failed
+from engine_adapter.lease import Lease, Tagged
 from engine_adapter.routing.metrics import RoutingMetrics
 from engine_adapter.routing.spec import CanaryPolicy, RouteSpec
-from engine_adapter.types import EmbeddingRequest, EngineOutput, EngineStats, GenerationRequest, ModelCard, Tokenizer
+from engine_adapter.types import Embedded, EmbeddingRequest, EngineStats, GenerationRequest, ModelCard, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +55,9 @@ class ServedPool(Protocol):
     @property
     def queue_depth(self) -> int: ...
 
-    def generate(
-        self, req: GenerationRequest, idle_tick: float | None = None
-    ) -> AsyncIterator[EngineOutput | None]: ...
+    async def acquire(self, reqs: Sequence[GenerationRequest], session: str | None = None) -> Lease: ...
 
-    def batches(
-        self, req: GenerationRequest, idle_tick: float | None = None
-    ) -> AsyncIterator[list[EngineOutput] | None]: ...
-
-    async def embed(self, req: EmbeddingRequest) -> list[list[float]]: ...
+    async def embed(self, req: EmbeddingRequest, session: str | None = None) -> Embedded: ...
 
     def ready(self, now: float | None = None) -> bool: ...
 
@@ -78,48 +66,6 @@ class ServedPool(Protocol):
     def ready_workers(self, now: float | None = None) -> int: ...
 
     def stats(self) -> list[EngineStats]: ...
-
-
-@dataclass(slots=True)
-class RouteContext:
-    """Per HTTP request, set by the server: the session key in, the target
-    that answered out (for the `x-npugw-served-by` header and `model`)."""
-
-    session: str | None = None
-    session_loader: Callable[[], str | None] | None = None  # lazy (parses the body)
-    served_by: str | None = None
-    routed: bool = False  # the request names a routed model (set by Gateway.resolve)
-    chosen: dict[str, str] = field(default_factory=dict)  # alias -> target: the n prompts of one request agree
-
-    def session_key(self) -> str | None:
-        if self.session is None and self.session_loader is not None:
-            self.session, self.session_loader = self.session_loader(), None
-        return self.session
-
-
-ROUTE_CONTEXT: ContextVar[RouteContext | None] = ContextVar("npugw_route_context", default=None)
-
-
-def _fallback_reason(e: GatewayError) -> str | None:
-    if isinstance(e, QueueFull):
-        return "queue_full"
-    if isinstance(e, QueueTimeout):
-        return "queue_timeout"
-    if isinstance(e, ShuttingDown | RequestTimeout):
-        return None
-    if isinstance(e, ServiceUnavailable):
-        return "unavailable"
-    if isinstance(e, EngineError) or e.status >= 500:
-        return "error"
-    return None
-
-
-def _target_error(e: GatewayError) -> bool | None:
-    """True: the target failed; None: says nothing about the target (4xx,
-    admission, shutdown), kept out of the canary window."""
-    if isinstance(e, QueueTimeout | ShuttingDown) or e.status < 500:
-        return None
-    return True
 
 
 class _Window:
@@ -247,14 +193,10 @@ class Router:
                 return t
         return live[-1]
 
-    def chain(self, ctx: RouteContext | None) -> list[tuple[str, ServedPool, Target | None]]:
-        first: Target | None = None
-        if ctx is not None and self.name in ctx.chosen:
-            first = next((t for t in self.targets if t.name == ctx.chosen[self.name] and t.effective > 0), None)
-        if first is None:
-            first = self.choose(ctx.session_key() if ctx is not None else None)
-        if ctx is not None:
-            ctx.chosen[self.name] = first.name
+    def chain(self, session: str | None) -> list[tuple[str, ServedPool, Target | None]]:
+        """The target to try first (weighted, or by session), then the
+        alias's fallbacks in order."""
+        first = self.choose(session)
         out: list[tuple[str, ServedPool, Target | None]] = [(first.name, first.pool, first)]
         by_name = {t.name: t for t in self.targets}
         for name in self.fallbacks:
@@ -263,65 +205,54 @@ class Router:
         return out
 
     # ---- requests -----------------------------------------------------------
-    def generate(
-        self, req: GenerationRequest, idle_tick: float | None = None
-    ) -> AsyncIterator[EngineOutput | None]:
-        return flatten(self.batches(req, idle_tick))
+    async def acquire(self, reqs: Sequence[GenerationRequest], session: str | None = None) -> RouterLease:
+        """Admission on the first target of the chain that has room."""
+        chain = self.chain(session)
+        i, inner = await self._admit(chain, 0, reqs)
+        return RouterLease(self, chain, i, inner, reqs)
 
-    async def batches(
-        self, req: GenerationRequest, idle_tick: float | None = None
-    ) -> AsyncIterator[list[EngineOutput] | None]:
-        ctx = ROUTE_CONTEXT.get()
-        chain = self.chain(ctx)
-        for i, (name, pool, target) in enumerate(chain):
-            if ctx is not None:
-                ctx.served_by = name
-            start = time.monotonic()
-            ttft: float | None = None
-            stream = pool.batches(replace(req, model=name), idle_tick)
+    async def _admit(
+        self, chain: list[tuple[str, ServedPool, Target | None]], start: int, reqs: Sequence[GenerationRequest]
+    ) -> tuple[int, Lease]:
+        deadline = min((r.deadline for r in reqs if r.deadline is not None), default=math.inf)
+        for i in range(start, len(chain)):
+            name, pool, _ = chain[i]
             try:
-                try:
-                    async for batch in stream:
-                        if batch and ttft is None:
-                            ttft = time.monotonic() - start
-                        yield batch
-                finally:  # release the target's slot now, not when collected
-                    close = getattr(stream, "aclose", None)
-                    if close is not None:
-                        await close()
+                return i, await pool.acquire([replace(r, model=name) for r in reqs])
             except GatewayError as e:
-                reason = _fallback_reason(e) if ttft is None else None  # never retry after a token
-                can = reason is not None and i + 1 < len(chain) and (req.deadline or math.inf) > time.monotonic()
-                self._record(target, name, "fallback" if can else "error", _target_error(e), None)
-                if not can:
-                    raise
-                self._fell_back(name, chain[i + 1][0], reason or "", e)
-                continue
-            except BaseException:
-                self._record(target, name, "cancelled", None, None)
-                raise
-            self._record(target, name, "ok", False, ttft)
-            return
+                self._failed(chain, i, e, deadline, ttft=None)
+        raise AssertionError("unreachable: the last target raises")
 
-    async def embed(self, req: EmbeddingRequest) -> list[list[float]]:
-        ctx = ROUTE_CONTEXT.get()
-        chain = self.chain(ctx)
+    def _failed(
+        self,
+        chain: list[tuple[str, ServedPool, Target | None]],
+        i: int,
+        e: GatewayError,
+        deadline: float,
+        ttft: float | None,
+    ) -> None:
+        """Record a failure on target `i`; raise `e` unless the request may
+        move to target `i + 1` (only before its first token)."""
+        name, _, target = chain[i]
+        reason = fallback_reason(e) if ttft is None else None
+        can = reason is not None and i + 1 < len(chain) and deadline > time.monotonic()
+        self._record(target, name, "fallback" if can else "error", target_failed(e) or None, None)
+        if not can:
+            raise e
+        self._fell_back(name, chain[i + 1][0], reason or "", e)
+
+    async def embed(self, req: EmbeddingRequest, session: str | None = None) -> Embedded:
+        chain = self.chain(session)
+        deadline = req.deadline if req.deadline is not None else math.inf
         for i, (name, pool, target) in enumerate(chain):
-            if ctx is not None:
-                ctx.served_by = name
             start = time.monotonic()
             try:
-                vectors = await pool.embed(replace(req, model=name))
+                got = await pool.embed(replace(req, model=name))
             except GatewayError as e:
-                reason = _fallback_reason(e)
-                can = reason is not None and i + 1 < len(chain)
-                self._record(target, name, "fallback" if can else "error", _target_error(e), None)
-                if not can:
-                    raise
-                self._fell_back(name, chain[i + 1][0], reason or "", e)
+                self._failed(chain, i, e, deadline, ttft=None)
                 continue
             self._record(target, name, "ok", False, time.monotonic() - start)
-            return vectors
+            return Embedded(name, got.vectors)
         raise AssertionError("unreachable: the last target raises")
 
     def _fell_back(self, src: str, dst: str, reason: str, e: GatewayError) -> None:
@@ -377,3 +308,59 @@ class Router:
                 "ttft_p95": t.window.ttft_p95(),
             })
         return {"targets": targets, "fallbacks": list(self.fallbacks)}
+
+
+class RouterLease:
+    """A lease on one target of an alias. If that target fails before the
+    first token, the stream moves on to the next target of the chain that
+    admits the request (the response has begun by then; `served_by` names
+    the target now answering)."""
+
+    __slots__ = ("_chain", "_i", "_inner", "_router", "requests")
+
+    def __init__(
+        self,
+        router: Router,
+        chain: list[tuple[str, ServedPool, Target | None]],
+        i: int,
+        inner: Lease,
+        reqs: Sequence[GenerationRequest],
+    ) -> None:
+        self._router = router
+        self._chain = chain
+        self._i = i
+        self._inner = inner
+        self.requests = reqs
+
+    @property
+    def served_by(self) -> str:
+        return self._chain[self._i][0]
+
+    async def stream(self, idle_tick: float | None = None) -> AsyncIterator[Tagged]:
+        router = self._router
+        deadline = min((r.deadline for r in self.requests if r.deadline is not None), default=math.inf)
+        while True:
+            name, _, target = self._chain[self._i]
+            start = time.monotonic()
+            ttft: float | None = None
+            inner = self._inner
+            try:
+                async for tag, batch in inner.stream(idle_tick):
+                    if batch and ttft is None:
+                        ttft = time.monotonic() - start
+                    yield tag, batch
+            except GatewayError as e:
+                inner.release()
+                router._failed(self._chain, self._i, e, deadline, ttft)  # raises unless it may move on
+                self._i, self._inner = await router._admit(self._chain, self._i + 1, self.requests)
+                continue
+            except BaseException:
+                inner.release()
+                router._record(target, name, "cancelled", None, None)
+                raise
+            inner.release()
+            router._record(target, name, "ok", False, ttft)
+            return
+
+    def release(self) -> None:
+        self._inner.release()

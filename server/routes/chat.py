@@ -1,25 +1,21 @@
-"""POST /v1/chat/completions"""
+"""POST /v1/chat/completions: validate, admit through the generation core,
+render chat JSON or chunks."""
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from engine_adapter.types import GenerationRequest
+from engine_adapter.types import EngineOutput
 from server import sse
 from server.deps import AuthDep, GatewayDep
-from server.limits import Admission
+from server.generation import Generation, Key, admit, json_response, session_of, stream_response
 from server.protocol import ChatCompletionRequest
-from server.render import Choice, chat_logprobs, finish, usage
+from server.render import Choice, chat_logprobs, finish
 from server.routes.docs import JSON_OR_SSE
-from server.state import ServedModel
-from server.streaming import guarded, sse_response, until_disconnect
 from server.tools import ToolPlan, plan_tools
 from server.validation import build_chat_request, chat_prompt, new_id, structured_from
 
@@ -39,10 +35,9 @@ async def create_chat_completion(
     plan = plan_tools(body, pool.tokenizer)
     structured = plan.structured or structured_from(body.response_format, body)
     prompt, ids = chat_prompt(body, pool.tokenizer, plan.template_tools, plan.chat_template)
-    rid = new_id("chatcmpl")
     req = build_chat_request(
         body,
-        request_id=rid,
+        request_id=new_id("chatcmpl"),
         model=model.id,
         prompt=prompt,
         prompt_ids=ids,
@@ -54,35 +49,16 @@ async def create_chat_completion(
         priority=principal.priority_for(body.priority, "priority" in body.model_fields_set),
         vocab_hint=pool.tokenizer.vocab_size,
     )
-    admission = await gw.limits.admit(principal, model.id, len(ids) + req.sampling.max_tokens * req.sampling.n)
-    created = int(time.time())
+    gen = await admit(request, gw, principal, model, [req], session_of(request, body.user))
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        keep_alive = gw.settings.sse_keep_alive_interval
-        events = _stream(model, req, plan, created, include_usage, body.logprobs, keep_alive, admission)
-        return sse_response(guarded(events, admission.fail), admission.headers())
-    try:
-        result = await until_disconnect(request, _collect(model, req, plan, created, body.logprobs))
-    except BaseException:
-        admission.finish(0)
-        raise
-    admission.finish(result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"])
-    return Response(orjson.dumps(result), media_type="application/json", headers=admission.headers())
+        chunks = _Chunks(gen, plan, body.logprobs, bool(body.stream_options and body.stream_options.include_usage))
+        return stream_response(gen, chunks.render, chunks.tail, gw.settings.sse_keep_alive_interval)
+    return await json_response(request, gen, lambda choices: _answer(gen, plan, body.logprobs, choices))
 
 
-async def _collect(
-    model: ServedModel, req: GenerationRequest, plan: ToolPlan, created: int, want_logprobs: bool
-) -> dict[str, Any]:
-    choices = [Choice(i) for i in range(req.sampling.n)]
-    prompt_tokens = len(req.prompt_token_ids)
-    cached = 0
-    async for batch in model.pool.batches(req):
-        assert batch is not None
-        for out in batch:
-            choices[out.index].add(out)
-            cached = out.cached_tokens or cached
+def _answer(gen: Generation, plan: ToolPlan, want_logprobs: bool, choices: dict[Key, Choice]) -> dict[str, Any]:
     rendered = []
-    for c in choices:
+    for c in choices.values():
         message: dict[str, Any] = {"role": "assistant", "content": c.content}
         reason = finish(c.finish_reason)
         calls = plan.parse(c.content) if plan.active else None
@@ -100,76 +76,66 @@ async def _collect(
                 "stop_reason": c.stop_reason,
             }
         )
-    completion_tokens = sum(c.tokens for c in choices)
     return {
-        "id": req.request_id,
+        "id": gen.requests[0].request_id,
         "object": "chat.completion",
-        "created": created,
-        "model": model.served_by(),
+        "created": gen.created,
+        "model": gen.served_by,
         "choices": rendered,
-        "usage": usage(prompt_tokens, completion_tokens, cached),
+        "usage": gen.usage(),
     }
 
 
-async def _stream(
-    model: ServedModel,
-    req: GenerationRequest,
-    plan: ToolPlan,
-    created: int,
-    include_usage: bool,
-    want_logprobs: bool,
-    keep_alive: float,
-    admission: Admission,
-) -> AsyncIterator[bytes]:
-    head = {"id": req.request_id, "object": "chat.completion.chunk", "created": created, "model": model.id}
-    frames = sse.Frames(head)
-    n = req.sampling.n
-    started = [False] * n
-    tokens = [0] * n
-    streamers = [plan.streamer() if plan.active else None for _ in range(n)]
-    cached = 0
-    first = True
+class _Chunks:
+    """Engine deltas -> chat.completion.chunk events."""
 
-    def chunk(index: int, delta: dict[str, Any], reason: str | None = None, lps: Any = None) -> bytes:
-        return frames.choice({"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason})
+    def __init__(self, gen: Generation, plan: ToolPlan, want_logprobs: bool, include_usage: bool) -> None:
+        self.gen = gen
+        self.head = {
+            "id": gen.requests[0].request_id, "object": "chat.completion.chunk", "created": gen.created,
+            "model": gen.served_by,
+        }
+        self.frames = sse.Frames(self.head)
+        n = gen.requests[0].sampling.n
+        self.started = [False] * n
+        self.streamers = [plan.streamer() if plan.active else None for _ in range(n)]
+        self.want_logprobs = want_logprobs
+        self.include_usage = include_usage
 
-    try:
-        async for batch in model.pool.batches(req, idle_tick=keep_alive):
-            if batch is None:
-                yield sse.KEEP_ALIVE
+    def _chunk(self, index: int, delta: dict[str, Any], reason: str | None = None, lps: Any = None,
+               stop_reason: str | int | None = None) -> bytes:
+        return self.frames.choice(
+            {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason, "stop_reason": stop_reason}
+        )
+
+    def render(self, _: int, batch: list[EngineOutput]) -> bytes | None:
+        if self.head["model"] != self.gen.served_by:  # an alias fell back before the first token
+            self.head["model"] = self.gen.served_by
+            self.frames.set_head(self.head)
+        parts: list[bytes] = []  # one write for everything that was ready together
+        for out in batch:
+            i = out.index
+            if not self.started[i]:
+                self.started[i] = True
+                parts.append(self._chunk(i, {"role": "assistant", "content": ""}))
+            lps = {"content": chat_logprobs(out.logprobs)} if self.want_logprobs and out.logprobs else None
+            streamer = self.streamers[i]
+            if streamer is None:
+                if out.text or out.finished or lps:
+                    delta = {"content": out.text} if out.text else {}
+                    parts.append(self._chunk(i, delta, finish(out.finish_reason), lps, out.stop_reason))
                 continue
-            if first:  # the first output: a router has chosen who answers
-                first = False
-                head["model"] = model.served_by()
-                frames.set_head(head)
-            parts: list[bytes] = []  # one write for everything that was ready together
-            for out in batch:
-                i = out.index
-                cached = out.cached_tokens or cached
-                if not started[i]:
-                    started[i] = True
-                    parts.append(chunk(i, {"role": "assistant", "content": ""}))
-                tokens[i] += len(out.token_ids)
-                lps = {"content": chat_logprobs(out.logprobs)} if want_logprobs and out.logprobs else None
-                streamer = streamers[i]
-                if streamer is None:
-                    if out.text or out.finished or lps:
-                        delta = {"content": out.text} if out.text else {}
-                        parts.append(chunk(i, delta, finish(out.finish_reason), lps))
-                    continue
-                for delta in streamer.feed(out.text, final=out.finished):
-                    parts.append(chunk(i, delta, None, lps))
-                    lps = None
-                if out.finished:
-                    reason = "tool_calls" if streamer.called else finish(out.finish_reason)
-                    parts.append(chunk(i, {}, reason, lps))
-            if parts:
-                yield parts[0] if len(parts) == 1 else b"".join(parts)
-        total = sum(tokens)
-        if include_usage:
-            yield sse.event({**head, "choices": [], "usage": usage(len(req.prompt_token_ids), total, cached)})
-        yield sse.DONE
-        admission.finish(len(req.prompt_token_ids), total)
-    except BaseException:
-        admission.finish(len(req.prompt_token_ids), sum(tokens))
-        raise
+            for delta in streamer.feed(out.text, final=out.finished):
+                parts.append(self._chunk(i, delta, None, lps))
+                lps = None
+            if out.finished:
+                reason = "tool_calls" if streamer.called else finish(out.finish_reason)
+                parts.append(self._chunk(i, {}, reason, lps, out.stop_reason))
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def tail(self) -> bytes:
+        if not self.include_usage:
+            return b""
+        return sse.event({**self.head, "choices": [], "usage": self.gen.usage()})

@@ -15,9 +15,9 @@ from engine_adapter.errors import ContextLengthExceeded, InvalidRequest
 from engine_adapter.types import EmbeddingRequest as EngineEmbeddingRequest
 from engine_adapter.types import Tokenizer
 from server.deps import AuthDep, GatewayDep
+from server.generation import SERVED_BY, session_of, until_disconnect
 from server.protocol import EmbeddingRequest
 from server.routes.docs import ERRORS
-from server.streaming import until_disconnect
 from server.validation import deadline_after, new_id, prompt_inputs
 
 logger = logging.getLogger(__name__)
@@ -71,9 +71,10 @@ async def create_embeddings(
         api_key_name=principal.name,
     )
     try:
-        vectors = await until_disconnect(request, pool.embed(req))
+        got = await until_disconnect(request, pool.embed(req, session_of(request, body.user)))
     finally:
         admission.finish(total)
+    vectors = got.vectors
     data: list[dict[str, Any]] = []
     for i, v in enumerate(vectors):
         emb: Any = v
@@ -83,7 +84,10 @@ async def create_embeddings(
     out = {
         "object": "list",
         "data": data,
-        "model": model.id,
+        "model": got.served_by if model.routed else model.id,
         "usage": {"prompt_tokens": total, "total_tokens": total},
     }
-    return Response(orjson.dumps(out), media_type="application/json", headers=admission.headers())
+    headers = admission.headers()
+    if model.routed:
+        headers = {**headers, SERVED_BY: got.served_by}
+    return Response(orjson.dumps(out), media_type="application/json", headers=headers)

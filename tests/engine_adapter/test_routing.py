@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,7 @@ from engine_adapter.backends.simulated import ByteTokenizer, SimulatedConfig, Si
 from engine_adapter.errors import EngineError, QueueFull
 from engine_adapter.pool import WorkerPool
 from engine_adapter.routing import (
-    ROUTE_CONTEXT,
     CanaryPolicy,
-    RouteContext,
     RoutingMetrics,
     RoutingTable,
     parse_alias,
@@ -85,15 +84,21 @@ async def table(
             await p.stop()
 
 
-async def run(t: RoutingTable, alias: str, rid: str, session: str | None = None, tokens: int = 2) -> RouteContext:
-    ctx = RouteContext(session=session)
-    token = ROUTE_CONTEXT.set(ctx)
+@dataclass
+class Served:
+    served_by: str  # the target whose lease was granted
+    answered_by: str  # the target that produced the tokens (after any in-stream fallback)
+
+
+async def run(t: RoutingTable, alias: str, rid: str, session: str | None = None, tokens: int = 2) -> Served:
+    lease = await t.routers[alias].acquire([req(rid, tokens)], session)
+    granted = lease.served_by
     try:
-        outs = [o async for o in t.routers[alias].generate(req(rid, tokens)) if o is not None]
+        outs = [o async for _, batch in lease.stream() if batch for o in batch]
     finally:
-        ROUTE_CONTEXT.reset(token)
+        lease.release()
     assert outs[-1].finish_reason == "length"
-    return ctx
+    return Served(granted, lease.served_by)
 
 
 def value(t: RoutingTable, name: str, **labels: str) -> float:
@@ -120,7 +125,7 @@ def test_parse_alias_weights_and_names_with_colons() -> None:
 async def test_weights_split_traffic() -> None:
     pools = {"v2": pool("v2"), "v3": pool("v3")}
     async with table(pools, ["chat=v2:90,v3:10"]) as t:
-        served = Counter([(await run(t, "chat", f"r{i}")).served_by for i in range(400)])
+        served = Counter([(await run(t, "chat", f"r{i}")).answered_by for i in range(400)])
         assert served["v2"] + served["v3"] == 400
         assert 20 <= served["v3"] <= 65, served  # 10% of 400 = 40
         assert value(t, "npugw_route_requests_total", alias="chat", target="v3", outcome="ok") == served["v3"]
@@ -132,7 +137,7 @@ async def test_sticky_sessions_and_minimal_moves_on_weight_change() -> None:
     async with table(pools, ["chat=v2:50,v3:50"]) as t:
         first = {}
         for s in range(200):
-            picks = {(await run(t, "chat", f"{s}-{k}", session=f"user-{s}")).served_by for k in range(3)}
+            picks = {(await run(t, "chat", f"{s}-{k}", session=f"user-{s}")).answered_by for k in range(3)}
             assert len(picks) == 1  # a conversation stays on one version
             first[s] = picks.pop()
         share = Counter(first.values())["v3"] / 200
@@ -150,7 +155,7 @@ async def test_failing_canary_is_rolled_back(caplog: pytest.LogCaptureFixture) -
     policy = CanaryPolicy(min_requests=5, max_error_rate=0.5, check_every=0)
     with caplog.at_level(logging.WARNING, logger="engine_adapter.routing.router"):
         async with table(pools, ["chat=v2:80,v3:20"], ["chat=v2"], policy) as t:
-            served = Counter([(await run(t, "chat", f"r{i}")).served_by for i in range(200)])
+            served = Counter([(await run(t, "chat", f"r{i}")).answered_by for i in range(200)])
             engine = canary.workers[0].engine
             assert isinstance(engine, FlakyEngine) and engine.calls == 1 + 5  # the start-up probe, 5, no more
             assert served == {"v2": 200}  # the failures fell back before any token
@@ -195,9 +200,9 @@ async def test_fallback_on_full_queue_and_on_queue_timeout() -> None:
     async with table(pools, [], ["full=small", "slow=small"]) as t:
         blockers = [asyncio.ensure_future(run(t, name, f"block-{name}")) for name in ("full", "slow")]
         await asyncio.sleep(0.02)
-        assert (await run(t, "full", "a")).served_by == "small"
+        assert (await run(t, "full", "a")).answered_by == "small"
         t0 = time.monotonic()
-        assert (await run(t, "slow", "b")).served_by == "small"
+        assert (await run(t, "slow", "b")).answered_by == "small"
         assert 0.04 < time.monotonic() - t0 < 0.5
         assert value(t, "npugw_route_fallbacks_total", alias="full", to_target="small", reason="queue_full") == 1
         assert value(t, "npugw_route_fallbacks_total", alias="slow", reason="queue_timeout") == 1
@@ -253,7 +258,7 @@ async def test_fallback_on_upstream_500() -> None:
     try:
         async with table({"remote": remote(url), "local": pool("local")}, ["chat=remote:1"], ["chat=local"]) as t:
             ctx = await run(t, "chat", "r")
-            assert ctx.served_by == "local"
+            assert ctx.answered_by == "local"
             labels = {"alias": "chat", "from_target": "remote", "reason": "unavailable"}
             assert value(t, "npugw_route_fallbacks_total", **labels) == 1
     finally:
@@ -283,7 +288,7 @@ async def test_black_hole_upstream_never_hangs_requests_to_the_others() -> None:
             assert max(direct) < 0.2, direct  # the local model never waits for the hole
             assert max(routed) < 1.5, routed  # read timeout, then the fallback
             t1 = time.monotonic()
-            assert (await run(t, "chat", "late")).served_by == "local"  # breaker open: at once
+            assert (await run(t, "chat", "late")).answered_by == "local"  # breaker open: at once
             assert time.monotonic() - t1 < 0.1
             print(f"black hole: {len(routed)} routed requests done in {max(routed):.2f}s; "
                   f"direct ones in {max(direct) * 1000:.0f} ms; after ejection {(time.monotonic() - t1) * 1000:.1f} ms")

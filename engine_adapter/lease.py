@@ -1,0 +1,126 @@
+"""Leases: the result of admission.
+
+`await pool.acquire(reqs)` (a WorkerPool or a Router) waits for an engine
+slot for each request of one client request (one per prompt), or raises a
+`GatewayError` kind (queue full, queue timeout, no live engine, draining).
+Only once it returns does the HTTP layer start its response, so every
+refusal is a status, never a stream that begins and then fails.
+
+A lease knows which served model answers (`served_by`) and runs its requests
+with `stream()`: the engines' deltas in batches, tagged with the prompt's
+index, or None as an idle tick. `release()` gives back whatever slots were
+never streamed; it is idempotent and always safe to call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from engine_adapter.types import EngineOutput, GenerationRequest
+
+if TYPE_CHECKING:
+    from engine_adapter.workers import Worker
+
+Batch = list[EngineOutput] | None
+Tagged = tuple[int, Batch]
+
+
+class Lease(Protocol):
+    @property
+    def served_by(self) -> str: ...
+
+    @property
+    def requests(self) -> Sequence[GenerationRequest]: ...
+
+    def stream(self, idle_tick: float | None = None) -> AsyncIterator[Tagged]: ...
+
+    def release(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Slot:
+    """One engine slot held for one request."""
+
+    worker: Worker
+    released: bool = False
+
+
+class PoolLease:
+    """Slots on the workers of one WorkerPool, one per request."""
+
+    __slots__ = ("_held", "_release", "_run", "requests", "served_by")
+
+    def __init__(
+        self,
+        served_by: str,
+        held: list[tuple[GenerationRequest, Slot]],
+        run: Callable[[Slot, GenerationRequest, float | None], AsyncIterator[Batch]],
+        release: Callable[[Slot], None],
+    ) -> None:
+        self.served_by = served_by
+        self.requests = [r for r, _ in held]
+        self._held = held
+        self._run = run
+        self._release = release
+
+    def stream(self, idle_tick: float | None = None) -> AsyncIterator[Tagged]:
+        held, self._held = self._held, []
+        return merge([(i, self._run(slot, req, idle_tick)) for i, (req, slot) in enumerate(held)], held, self._release)
+
+    def release(self) -> None:
+        held, self._held = self._held, []
+        for _, slot in held:
+            self._release(slot)
+
+
+async def merge(
+    streams: list[tuple[int, AsyncIterator[Batch]]],
+    held: list[tuple[GenerationRequest, Slot]] | None = None,
+    release: Callable[[Slot], None] | None = None,
+) -> AsyncIterator[Tagged]:
+    """Interleave several streams of batches, tagging each item with its
+    stream's tag. Slots in `held` are released at the end whatever happened
+    (a stream that never started does not release its own)."""
+    try:
+        if len(streams) == 1:
+            tag, only = streams[0]
+            try:
+                async for item in only:
+                    yield tag, item
+            finally:
+                await only.aclose()  # type: ignore[attr-defined]
+            return
+        queue: asyncio.Queue[Tagged | BaseException | None] = asyncio.Queue()
+
+        async def pump(tag: int, s: AsyncIterator[Batch]) -> None:
+            try:
+                async for item in s:
+                    queue.put_nowait((tag, item))
+                queue.put_nowait(None)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
+                queue.put_nowait(e)
+
+        tasks = [asyncio.ensure_future(pump(tag, s)) for tag, s in streams]
+        try:
+            live = len(tasks)
+            while live:
+                got = await queue.get()
+                if got is None:
+                    live -= 1
+                    continue
+                if isinstance(got, BaseException):
+                    raise got
+                yield got
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        if held is not None and release is not None:
+            for _, slot in held:
+                release(slot)

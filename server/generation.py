@@ -1,0 +1,268 @@
+"""The generation core, shared by every endpoint that generates text.
+
+    gen = await admit(request, gw, principal, model, reqs, session)
+    return stream_response(gen, render, tail, keep_alive)   # or
+    return await json_response(request, gen, build)
+
+`admit` is the whole of admission, before any response byte: the key's
+limits, then the model's `acquire` (alias and fallback choice, queue wait,
+queue full). A refusal raises a `GatewayError` kind, which becomes a status
+with `Retry-After`, streamed request or not. Only an admitted request gets a
+response, whose body runs the lease. Endpoints only validate and render:
+`render` turns one batch of engine deltas into bytes, `build` turns the
+collected choices into the JSON answer.
+
+Token charging is the same however a request ends (done, failed, client
+gone): the prompt plus what was generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine_adapter.errors import EngineError, GatewayError
+from engine_adapter.lease import Lease
+from engine_adapter.types import EngineOutput, GenerationRequest
+from server import sse
+from server.auth import Principal
+from server.errors import error_event
+from server.limits import Admission
+from server.render import Choice, usage
+from server.state import Gateway, ServedModel
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SERVED_BY = "x-npugw-served-by"
+Key = tuple[int, int]  # (prompt, choice index)
+
+
+def session_of(request: Request, user: str | None) -> str | None:
+    """The key that keeps a conversation on one target: `X-Session-ID`, else
+    the request's `user`."""
+    header = request.headers.get("x-session-id")
+    if header:
+        return header[:256]
+    return user or None
+
+
+class Generation:
+    """One admitted client request: the key's admission, the engine lease,
+    and the tokens it used."""
+
+    __slots__ = ("_cached", "_done", "admission", "completion_tokens", "created", "lease", "model", "prompt_tokens")
+
+    def __init__(self, model: ServedModel, lease: Lease, admission: Admission) -> None:
+        self.model = model
+        self.lease = lease
+        self.admission = admission
+        self.created = int(time.time())
+        self.prompt_tokens = sum(len(r.prompt_token_ids) for r in lease.requests)
+        self.completion_tokens = 0
+        self._cached: dict[int, int] = {}
+        self._done = False
+
+    @property
+    def requests(self) -> list[GenerationRequest]:
+        return list(self.lease.requests)
+
+    @property
+    def served_by(self) -> str:
+        """The model that answers: the target an alias chose, else the name
+        the client asked for."""
+        return self.lease.served_by if self.model.routed else self.model.id
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self._cached.values())
+
+    def headers(self) -> dict[str, str]:
+        h = self.admission.headers()
+        if self.model.routed:
+            h = {**h, SERVED_BY: self.lease.served_by}
+        return h
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    async def outputs(self, idle_tick: float | None = None) -> AsyncIterator[tuple[int, list[EngineOutput]] | None]:
+        """The engines' deltas, tagged with the prompt's index; None is an
+        idle tick. Tokens are counted as they come."""
+        cached = self._cached
+        async for p, batch in self.lease.stream(idle_tick):
+            if batch is None:
+                yield None
+                continue
+            for out in batch:
+                self.completion_tokens += len(out.token_ids)
+                if out.cached_tokens:
+                    cached[p] = out.cached_tokens
+            yield p, batch
+
+    async def collect(self, each: Callable[[int, EngineOutput], None] | None = None) -> dict[Key, Choice]:
+        """Every choice of every prompt, whole (for a non-streamed answer)."""
+        n = self.lease.requests[0].sampling.n
+        choices: dict[Key, Choice] = {}
+        async for item in self.outputs():
+            assert item is not None
+            p, batch = item
+            for out in batch:
+                key = (p, out.index)
+                c = choices.get(key)
+                if c is None:
+                    c = choices[key] = Choice(p * n + out.index)
+                c.add(out)
+                if each is not None:
+                    each(p, out)
+        return dict(sorted(choices.items(), key=lambda kv: kv[1].index))
+
+    def finish(self) -> None:
+        """Give back the lease and settle the key's tokens. Idempotent."""
+        if self._done:
+            return
+        self._done = True
+        self.lease.release()
+        self.admission.finish(self.prompt_tokens, self.completion_tokens)
+
+
+async def admit(
+    request: Request,
+    gw: Gateway,
+    principal: Principal,
+    model: ServedModel,
+    reqs: list[GenerationRequest],
+    session: str | None,
+) -> Generation:
+    """Admission: the key's limits, then an engine slot per request. Raises
+    a `GatewayError` kind; returns only when the request will run."""
+    budget = sum(len(r.prompt_token_ids) + r.sampling.max_tokens * r.sampling.n for r in reqs)
+    admission = await gw.limits.admit(principal, model.id, budget)
+    try:
+        lease = await until_disconnect(request, model.pool.acquire(reqs, session), discard=_release)
+    except BaseException:
+        admission.finish(0)
+        raise
+    return Generation(model, lease, admission)
+
+
+def _release(lease: Lease) -> None:
+    lease.release()
+
+
+def stream_response(
+    gen: Generation,
+    render: Callable[[int, list[EngineOutput]], bytes | None],
+    tail: Callable[[], bytes],
+    keep_alive: float | None,
+) -> Response:
+    """The SSE skeleton: rendered batches (one write each), keep-alive
+    comments, `tail()` then `[DONE]`. An error once the stream has begun is
+    an error event, then `[DONE]`."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for item in gen.outputs(keep_alive):
+                if item is None:
+                    yield sse.KEEP_ALIVE
+                    continue
+                chunk = render(*item)
+                if chunk:
+                    yield chunk
+            yield tail() + sse.DONE
+        except GatewayError as e:
+            yield error_event(e) + sse.DONE
+        except Exception:
+            logger.exception("stream failed")
+            yield error_event(EngineError("internal error while streaming; see the gateway log")) + sse.DONE
+        finally:
+            gen.finish()
+
+    return SSEResponse(body(), media_type="text/event-stream", headers={**sse.SSE_HEADERS, **gen.headers()},
+                       on_close=gen.finish)
+
+
+async def json_response(
+    request: Request,
+    gen: Generation,
+    build: Callable[[dict[Key, Choice]], dict[str, Any]],
+    each: Callable[[int, EngineOutput], None] | None = None,
+) -> Response:
+    """Collect the whole answer (aborting if the client goes away), then
+    `build` its JSON."""
+    try:
+        choices = await until_disconnect(request, gen.collect(each))
+        answer = build(choices)
+    finally:
+        gen.finish()
+    return Response(orjson.dumps(answer), media_type="application/json", headers=gen.headers())
+
+
+async def until_disconnect(
+    request: Request, work: Awaitable[T], discard: Callable[[T], None] | None = None
+) -> T:
+    """Await `work`, cancelling it (so an engine request is aborted, or a
+    queue wait given up) if the client disconnects first. `discard` undoes a
+    result that came too late to be used."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if discard is not None and task.done() and not task.cancelled() and task.exception() is None:
+            discard(task.result())
+        raise asyncio.CancelledError("client disconnected")
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+class SSEResponse(StreamingResponse):
+    """StreamingResponse with the client-disconnect watch on plain asyncio
+    tasks instead of an anyio task group (a measurable share of a short
+    stream's CPU). As Starlette's: a disconnect cancels the body iterator
+    (so the engine request is aborted) and ends the response quietly.
+    `on_close` runs however the response ends, even if the body never
+    started."""
+
+    def __init__(self, *args: Any, on_close: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            stream = asyncio.ensure_future(self.stream_response(send))
+            watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
+            try:
+                await asyncio.wait((stream, watcher), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (stream, watcher):
+                    task.cancel()
+                await asyncio.gather(stream, watcher, return_exceptions=True)
+            error = None if stream.cancelled() else stream.exception()
+            if error is not None:
+                raise error
+            if self.background is not None:
+                await self.background()
+        finally:
+            if self.on_close is not None:
+                self.on_close()
