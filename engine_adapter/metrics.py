@@ -64,6 +64,7 @@ class EngineMetrics:
         self._child = Children()
         L = ["model_name", "engine"]
         r = registry
+        self.registry = registry  # for the engines' info gauges (backends/vllm_effective.py)
         self.running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", L, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", L, registry=r)
         self.kv_usage = Gauge(

@@ -10,6 +10,7 @@ so an interrupted conversion is never used. Nothing is fetched from a hub.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -138,6 +139,106 @@ def resolve_model(model: str | None) -> tuple[Path, str]:
             "this gateway never downloads from a model hub"
         )
     return path.resolve(), path.name
+
+
+# ---------------------------------------------------------------- quantized
+
+ASCEND_QUANT_FILE = "quant_model_description.json"
+# The weight quantization types vllm-ascend 0.23.0.post1 registers (its
+# quantization/methods registry), and FLOAT for layers ModelSlim left alone.
+ASCEND_QUANT_TYPES = frozenset({
+    "FLOAT", "FP8", "INT8_DYNAMIC", "W4A16", "W4A16_MXFP4", "W4A4_DYNAMIC", "W4A4_FLATQUANT_DYNAMIC",
+    "W4A4_MXFP4", "W4A4_MXFP4_FLATQUANT", "W4A8_DYNAMIC", "W4A8_MXFP", "W8A16", "W8A8", "W8A8FP8_DYNAMIC",
+    "W8A8_DYNAMIC", "W8A8_MIX", "W8A8_MXFP8",
+})
+# Types whose weights ModelSlim writes as int8 tensors (other types pack or
+# use float8 formats this check does not judge).
+_INT8_WEIGHT_TYPES = frozenset({"W8A8", "W8A8_DYNAMIC", "W8A8_MIX", "W8A16"})
+_FLOAT_DTYPES = frozenset({"F16", "BF16", "F32"})
+_MAX_HEADER = 256 << 20
+
+
+def safetensors_dtypes(folder: Path) -> dict[str, str]:
+    """Tensor name -> safetensors dtype ("I8", "BF16", ...) from the headers
+    of every *.safetensors file in the folder (no tensor data is read)."""
+    out: dict[str, str] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with file.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= _MAX_HEADER:
+                raise ModelNotAvailable(f"{file} is not a safetensors file (header size {size})")
+            try:
+                header = json.loads(f.read(size))
+            except ValueError as e:
+                raise ModelNotAvailable(f"{file}: unreadable safetensors header: {e}") from e
+        for name, info in header.items():
+            if name != "__metadata__" and isinstance(info, dict):
+                out[name] = str(info.get("dtype"))
+    return out
+
+
+def _some(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f" (and {len(names) - n} more)" if len(names) > n else "")
+
+
+def check_quantized_model(folder: Path, quantization: str | None) -> None:
+    """Before the engine starts: a folder `--quantization ascend` cannot work
+    with gets a clear error here instead of a stack trace from inside vllm-ascend.
+
+    Checks that the folder holds ModelSlim's `quant_model_description.json`
+    (the only name vllm-ascend reads), that every weight type it names is one
+    vllm-ascend 0.23 implements, and that the weights it names exist in the
+    safetensors files with matching dtypes (int8 for W8A8 / W8A8_DYNAMIC /
+    W8A8_MIX / W8A16, a float type for FLOAT)."""
+    if quantization != "ascend":
+        return
+    desc_path = folder / ASCEND_QUANT_FILE
+    if not desc_path.is_file():
+        near = sorted(p.name for p in folder.glob("quant_model_description*.json"))
+        if near:
+            hint = f"it has {', '.join(near)}: rename the one for these weights to {ASCEND_QUANT_FILE}"
+        else:
+            hint = "the weights are not ModelSlim-quantized: quantize them with ModelSlim or drop --quantization ascend"
+        raise ModelNotAvailable(f"--quantization ascend: {folder} has no {ASCEND_QUANT_FILE}; {hint}")
+    try:
+        desc = json.loads(desc_path.read_text())
+    except ValueError as e:
+        raise ModelNotAvailable(f"--quantization ascend: {desc_path} is not valid JSON: {e}") from e
+    if not isinstance(desc, dict):
+        raise ModelNotAvailable(f"--quantization ascend: {desc_path} is not a JSON object")
+    weights = {k: v for k, v in desc.items() if k.endswith(".weight") and isinstance(v, str)}
+    if not weights:
+        raise ModelNotAvailable(f"--quantization ascend: {desc_path} names no weights (no '<name>.weight' keys)")
+    unknown = sorted(set(weights.values()) - ASCEND_QUANT_TYPES)
+    if unknown:
+        raise ModelNotAvailable(
+            f"--quantization ascend: {desc_path} uses weight types vllm-ascend 0.23 does not implement: "
+            f"{', '.join(unknown)} (known: {', '.join(sorted(ASCEND_QUANT_TYPES))})"
+        )
+    dtypes = safetensors_dtypes(folder)
+    if not dtypes:
+        raise ModelNotAvailable(f"--quantization ascend: {folder} has no *.safetensors weights")
+    missing = sorted(k for k in weights if k not in dtypes)
+    # Tied embeddings may leave a name or two out; most names missing means
+    # the description belongs to other weights.
+    if len(missing) * 2 > len(weights):
+        raise ModelNotAvailable(
+            f"--quantization ascend: {len(missing)} of the {len(weights)} weights {ASCEND_QUANT_FILE} names are "
+            f"not in {folder}'s safetensors files (e.g. {_some(missing)}): the description is for other weights"
+        )
+    wrong = []
+    for name, qtype in sorted(weights.items()):
+        dtype = dtypes.get(name)
+        if dtype is None:
+            continue
+        if qtype in _INT8_WEIGHT_TYPES and dtype != "I8":
+            wrong.append(f"{name} is {qtype} but stored as {dtype}, not I8")
+        elif qtype == "FLOAT" and dtype not in _FLOAT_DTYPES:
+            wrong.append(f"{name} is FLOAT but stored as {dtype}")
+    if wrong:
+        raise ModelNotAvailable(
+            f"--quantization ascend: {ASCEND_QUANT_FILE} does not match {folder}'s weights: {_some(wrong)}"
+        )
 
 
 def main() -> None:

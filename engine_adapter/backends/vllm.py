@@ -11,9 +11,11 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from engine_adapter.errors import EngineDead, EngineError, InvalidRequest
+from engine_adapter.model import check_quantized_model
 from engine_adapter.types import (
     EmbeddingRequest,
     EngineOutput,
@@ -163,6 +165,16 @@ def convert_logprobs(
     return out
 
 
+def unfinished_requests(llm: Any) -> int:
+    """Requests the AsyncLLM holds. vLLM 0.32/0.33 have
+    AsyncLLM.get_num_unfinished_requests(); vLLM 0.23 (vllm-ascend 0.23's)
+    does not, and keeps the count on its output processor only."""
+    get = getattr(llm, "get_num_unfinished_requests", None)
+    if get is None:
+        get = llm.output_processor.get_num_unfinished_requests
+    return int(get())
+
+
 class VllmEngine:
     """One AsyncLLM (one EngineCore process or one TP/PP group of them)."""
 
@@ -201,6 +213,8 @@ class VllmEngine:
 
     async def start(self) -> None:
         configure_process_env(self.device)
+        # A quantized folder that cannot work fails here, clearly, not inside vLLM.
+        check_quantized_model(Path(self.config.model), self.config.quantization)
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from engine_adapter.backends.vllm_stats import make_stat_logger_factory
@@ -221,6 +235,24 @@ class VllmEngine:
             max_model_len=int(mc.max_model_len), kind=kind, embedding_dim=dim, root=self.config.model
         )
         self._tokenizer = HfTokenizer(self._llm.get_tokenizer())
+        self._report_effective_config()
+
+    def _report_effective_config(self) -> None:
+        """Log what the engine runs with, warn where the platform replaced a
+        flag, and export it as info gauges."""
+        from engine_adapter.backends import vllm_effective
+
+        try:
+            eff = vllm_effective.read_effective(self._llm.vllm_config)
+        except AttributeError as e:  # a vLLM whose config is shaped otherwise: say so, serve anyway
+            logger.warning("engine %d: cannot read vLLM's effective config: %s", self.index, e)
+            return
+        given = {k: getattr(self.config, k, None) for k in vllm_effective.WATCHED_ARGS} | self.config.extra
+        name = self.config.served_model_name
+        vllm_effective.report(eff, given, self.device, name, self.index)
+        registry = getattr(self._metrics, "registry", None)
+        if registry is not None:
+            vllm_effective.export_info(registry, eff, self.device, name, self.index)
 
     async def stop(self) -> None:
         llm, self._llm = self._llm, None
@@ -247,7 +279,7 @@ class VllmEngine:
     def stats(self) -> EngineStats:
         """Scheduler figures from the last engine step; `unfinished` live."""
         llm = self._llm
-        unfinished = llm.get_num_unfinished_requests() if llm is not None else 0
+        unfinished = unfinished_requests(llm) if llm is not None else 0
         last = self._last
         return EngineStats(last.running, last.waiting, last.kv_cache_usage, unfinished)
 
