@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from engine_adapter.errors import AuthenticationError, PermissionDenied
 from server.settings import Settings
@@ -58,31 +59,61 @@ def sha256_hex(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+class _KeyFileEntry(BaseModel):
+    """One entry of the keys file, exactly as written (no coercion: `"60"` is
+    not a number, `models: sim` is not a list)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1)
+    sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$")
+    models: list[str] | None = None
+    requests_per_minute: PositiveInt | None = None
+    tokens_per_minute: PositiveInt | None = None
+    max_concurrent: PositiveInt | None = None
+    priority: int | None = None
+    admin: bool = False
+
+
+class KeysFileError(ValueError):
+    """A keys file that cannot be used: names the file, the entry and the field."""
+
+
 def load_keys_file(path: Path) -> list[KeyEntry]:
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise KeysFileError(f"{path}: cannot read the keys file: {e}") from None
     raw = data.get("keys", data) if isinstance(data, dict) else data
     if not isinstance(raw, list):
-        raise ValueError(f"{path}: expected a list of keys under `keys:`")
+        raise KeysFileError(f"{path}: expected a list of keys under `keys:`")
     out = []
     for i, item in enumerate(raw):
-        if not isinstance(item, dict) or "sha256" not in item or "name" not in item:
-            raise ValueError(f"{path}: key #{i} needs `name` and `sha256`")
-        digest = str(item["sha256"]).lower()
-        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-            raise ValueError(f"{path}: key {item['name']!r}: sha256 must be 64 hex digits")
-        models = item.get("models")
+        label = f"key #{i + 1}" + (f" ({item['name']!r})" if isinstance(item, dict) and "name" in item else "")
+        if not isinstance(item, dict):
+            raise KeysFileError(f"{path}: {label}: expected a mapping with `name` and `sha256`")
+        try:
+            k = _KeyFileEntry.model_validate(item)
+        except ValidationError as err:
+            problems = "; ".join(
+                f"field `{'.'.join(map(str, x['loc'])) or '?'}`: {x['msg']}" for x in err.errors()
+            )
+            raise KeysFileError(f"{path}: {label}: {problems}") from None
         out.append(
             KeyEntry(
-                name=str(item["name"]),
-                sha256=digest,
-                models=frozenset(models) if models else None,
-                requests_per_minute=item.get("requests_per_minute"),
-                tokens_per_minute=item.get("tokens_per_minute"),
-                max_concurrent=item.get("max_concurrent"),
-                priority=item.get("priority"),
-                admin=bool(item.get("admin", False)),
+                name=k.name,
+                sha256=k.sha256.lower(),
+                models=frozenset(k.models) if k.models else None,
+                requests_per_minute=k.requests_per_minute,
+                tokens_per_minute=k.tokens_per_minute,
+                max_concurrent=k.max_concurrent,
+                priority=k.priority,
+                admin=k.admin,
             )
         )
+    names = [e.name for e in out]
+    if len(set(names)) != len(names):
+        raise KeysFileError(f"{path}: a key name is used twice")
     return out
 
 

@@ -64,8 +64,13 @@ def serve(settings: Settings) -> None:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from server.app import create_app
+    from server.auth import KeysFileError
 
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except KeysFileError as e:
+        print(f"npu-gateway: invalid keys file: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     config = uvicorn.Config(
         app,
         host=settings.host,

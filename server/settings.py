@@ -22,6 +22,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from engine_adapter.entry import parse_entry
+
 # `NAME=...` lists: repeatable flags, a YAML list or mapping, or one
 # whitespace-separated environment variable (NPUGW_UPSTREAM="a=http://x b=http://y").
 Entries = Annotated[list[str], NoDecode]
@@ -45,6 +47,17 @@ class Settings(BaseSettings):
         "embedded", description="embedding model folder, 'embedded' (all-MiniLM-L6-v2) or 'none'"
     )
     embedding_served_model_name: Entries = Field(default_factory=list, description="names of the embedding model")
+    embedding_cpu_bind: str = Field(
+        "auto",
+        description="(CPU) cores of the embedding engine's OpenMP threads: 'auto' (one thread on the last "
+        "core; with 16 or more cores that core is left out of the generators' set), 'shared' (the "
+        "generators' cores and thread count), or a list such as '7' or '6-7'",
+    )
+    embedding_gpu_memory_utilization: float = Field(
+        0.05, gt=0.0, le=1.0,
+        description="(NPU/GPU) device memory fraction of the embedding engine, on top of "
+        "--gpu-memory-utilization of the generator on the same device",
+    )
     extra_model: Entries = Field(
         default_factory=list,
         description="more generator models, each with its own pool: NAME[,ALIAS...]=PATH (repeatable)",
@@ -85,6 +98,11 @@ class Settings(BaseSettings):
     request_timeout: float = Field(600.0, gt=0, description="seconds a whole request may take")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds to drain in-flight requests on SIGTERM")
     readiness_interval: float = Field(5.0, gt=0, description="seconds between readiness probes")
+    readiness_probe: Literal["passive", "active"] = Field(
+        "passive",
+        description="passive: an engine that produced output within the interval counts as ready and gets "
+        "no probe request; active: only probes and finished requests count",
+    )
     max_n: int = Field(8, ge=1, description="largest n accepted")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="request body limit")
     sse_keep_alive_interval: float = Field(15.0, gt=0, description="seconds between SSE keep-alive comments")
@@ -140,16 +158,19 @@ class Settings(BaseSettings):
     @classmethod
     def _extra_models(cls, v: list[str]) -> list[str]:
         for item in v:
-            names, sep, path = item.partition("=")
-            if not sep or not names.strip() or not path.strip():
-                raise ValueError(f"--extra-model {item!r}: expected NAME[,ALIAS...]=PATH")
+            _extra_model(item)
         return v
 
     def extra_models(self) -> list[tuple[tuple[str, ...], str]]:
-        out = []
-        for item in self.extra_model:
-            names, _, path = item.partition("=")
-            out.append((tuple(n.strip() for n in names.split(",") if n.strip()), path.strip()))
+        return [_extra_model(item) for item in self.extra_model]
+
+    def upstream_tokenizers(self) -> dict[str, str]:
+        out = {}
+        for item in self.upstream_tokenizer:
+            e = parse_entry(item, "--upstream-tokenizer", "NAME=PATH", many=False)
+            if not e.items[0]:
+                raise ValueError(f"--upstream-tokenizer {item!r}: expected NAME=PATH")
+            out[e.name] = e.items[0]
         return out
 
     @field_validator("engine_args", mode="before")
@@ -172,9 +193,7 @@ class Settings(BaseSettings):
         names = [parse_upstream(u).name for u in self.upstream]
         if len(set(names)) != len(names):
             raise ValueError("an upstream name is given twice")
-        for t in self.upstream_tokenizer:
-            if "=" not in t:
-                raise ValueError(f"upstream tokenizer {t!r}: expected NAME=PATH")
+        self.upstream_tokenizers()
         route_specs(self.alias, self.fallback)
         return self
 
@@ -223,10 +242,8 @@ def parse_engine_args(v: Any) -> dict[str, Any]:
     elif isinstance(v, list | tuple):
         items: dict[str, Any] = {}
         for item in v:
-            key, sep, raw = str(item).partition("=")
-            if not sep or not key.strip():
-                raise ValueError(f"--engine-arg {item!r}: expected KEY=VALUE")
-            items[key] = _json_or_str(raw)
+            entry = parse_entry(str(item), "--engine-arg", "KEY=VALUE", many=False)
+            items[entry.name] = _json_or_str(entry.items[0])
         v = items
     if not isinstance(v, Mapping):
         raise ValueError("engine args: expected KEY=VALUE items, a JSON object or a mapping")
@@ -240,6 +257,15 @@ def parse_engine_args(v: Any) -> dict[str, Any]:
             raise ValueError(f"--engine-arg {name}: the gateway sets {name} itself; use {own[name]}")
         out[name] = value
     return out
+
+
+def _extra_model(item: str) -> tuple[tuple[str, ...], str]:
+    """`NAME[,ALIAS...]=PATH` -> (names, path)."""
+    e = parse_entry(item, "--extra-model", "NAME[,ALIAS...]=PATH", many=False)
+    names = tuple(n.strip() for n in e.name.split(",") if n.strip())
+    if not names or not e.items[0]:
+        raise ValueError(f"--extra-model {item!r}: expected NAME[,ALIAS...]=PATH")
+    return names, e.items[0]
 
 
 def _config_path(init: PydanticBaseSettingsSource) -> Path | None:
@@ -267,7 +293,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     """One `--kebab-case` flag per setting; only flags given are returned."""
     for name, field in Settings.model_fields.items():
         flag = _FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
-        help_text = f"{field.description or ''} [env NPUGW_{name.upper()}]"
+        help_text = f"{field.description or ''} (default: {_default_text(field)}) [env NPUGW_{name.upper()}]"
         ann = field.annotation
         if _is_bool(ann):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
@@ -280,6 +306,21 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
             )
         else:
             parser.add_argument(flag, default=argparse.SUPPRESS, help=help_text)
+
+
+def _default_text(field: Any) -> str:
+    """A setting's default as `--help` shows it (as `vllm serve --help` does)."""
+    if field.default_factory is not None:
+        value = field.default_factory()
+    else:
+        value = field.default
+    if value is None:
+        return "None"
+    if isinstance(value, list | tuple | dict) and not value:
+        return "none"
+    if isinstance(value, Path):
+        return str(value)
+    return str(value).replace("%", "%%")  # argparse formats help with %
 
 
 def settings_from_args(ns: argparse.Namespace) -> Settings:

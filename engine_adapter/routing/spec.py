@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine_adapter.entry import parse_entry
+
 
 @dataclass(frozen=True, slots=True)
 class RouteSpec:
@@ -48,11 +50,8 @@ def _name_weight(item: str) -> tuple[str, float]:
 
 
 def _split(spec: str, what: str) -> tuple[str, list[str]]:
-    alias, sep, rest = spec.partition("=")
-    items = [p.strip() for p in rest.split(",") if p.strip()]
-    if not sep or not alias.strip() or not items:
-        raise ValueError(f"{what} {spec!r}: expected NAME=ITEM[,ITEM...]")
-    return alias.strip(), items
+    e = parse_entry(spec, what, "NAME=ITEM[,ITEM...]")
+    return e.name, list(e.items)
 
 
 def parse_alias(spec: str) -> tuple[str, tuple[tuple[str, float], ...]]:

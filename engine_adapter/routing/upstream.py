@@ -28,6 +28,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
+from engine_adapter.entry import parse_entry
 from engine_adapter.errors import GatewayError, ServiceUnavailable
 from engine_adapter.types import Tokenizer
 
@@ -65,22 +66,18 @@ _TEXTS = ("model", "tokenizer", "api_key_env")
 
 def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:
     """`NAME=URL[,URL...][;option=value...]`; options name UpstreamConfig fields."""
-    head, *opts = (p.strip() for p in spec.split(";"))
-    name, sep, urls = head.partition("=")
-    name = name.strip()
-    found = [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
-    if not sep or not name or not found:
-        raise ValueError(f"upstream {spec!r}: expected NAME=URL[,URL...][;option=value...]")
+    e = parse_entry(spec, "upstream", "NAME=URL[,URL...][;option=value...]", options=(*_NUMBERS, *_TEXTS))
+    name = e.name
+    found = [u.rstrip("/") for u in e.items]
     for u in found:
         if not u.startswith(("http://", "https://")):
             raise ValueError(f"upstream {name!r}: {u!r} is not an http(s) URL")
-    kw = {k: v for k, v in defaults.items() if v is not None}
-    for opt in filter(None, opts):
-        key, sep, value = (s.strip() for s in opt.partition("="))
-        key = key.replace("-", "_")
-        if not sep or key not in (*_NUMBERS, *_TEXTS):
-            raise ValueError(f"upstream {name!r}: unknown option {opt!r}")
-        kw[key] = _NUMBERS[key](value) if key in _NUMBERS else value
+    kw: dict[str, Any] = {k: v for k, v in defaults.items() if v is not None}
+    for key, value in e.options.items():
+        try:
+            kw[key] = _NUMBERS[key](value) if key in _NUMBERS else value
+        except ValueError:
+            raise ValueError(f"upstream {name!r}: option {key}={value!r} is not a number") from None
     cfg = UpstreamConfig(name=name, urls=tuple(u.removesuffix("/v1") for u in found), **kw)
     if cfg.eject_after < 1 or min(cfg.connect_timeout, cfg.read_timeout, cfg.health_interval, cfg.cooldown) <= 0:
         raise ValueError(f"upstream {name!r}: timeouts, intervals and eject_after must be positive")

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from support import wait_until
 
 from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
 from engine_adapter.errors import EngineDead, QueueFull, QueueTimeout, RequestTimeout, ShuttingDown
@@ -62,13 +63,12 @@ async def test_full_queue_rejects_at_once() -> None:
     pool, _ = make_pool(SimulatedConfig(itl=0.05), slots_per_worker=1, max_queue_size=1)
     await pool.start()
     first = asyncio.ensure_future(drain(pool, req("a", 10)))
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: pool.running == 1)
     second = asyncio.ensure_future(drain(pool, req("b", 2)))
-    await asyncio.sleep(0.01)
-    t0 = time.monotonic()
-    with pytest.raises(QueueFull) as e:
-        await drain(pool, req("c"))
-    assert time.monotonic() - t0 < 0.05
+    await wait_until(lambda: pool.queue_depth == 1)
+    with pytest.raises(QueueFull) as e:  # at once: the queue is full
+        await pool.acquire([req("c")])
+    assert pool.queue_depth == 1 and pool.running == 1
     assert e.value.retry_after
     assert pool.counters.rejected["queue_full"] == 1
     await asyncio.gather(first, second)
@@ -81,7 +81,7 @@ async def test_queue_wait_times_out_without_reaching_engine() -> None:
     await pool.start()
     before = engines[0].prompt_tokens_total  # the start-up readiness probe
     first = asyncio.ensure_future(drain(pool, req("a", 10)))
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: pool.running == 1)
     with pytest.raises(QueueTimeout) as e:
         await drain(pool, req("late"))
     assert e.value.retry_after
@@ -105,11 +105,11 @@ async def test_priority_order_then_arrival_order() -> None:
         order.append(r.request_id)
 
     blocker = asyncio.ensure_future(run(req("blocker", 5)))
-    await asyncio.sleep(0.005)
+    await wait_until(lambda: pool.running == 1)
     tasks = []
-    for rid, prio in [("low1", 5), ("high1", -1), ("low2", 5), ("mid", 0), ("high2", -1)]:
+    for k, (rid, prio) in enumerate([("low1", 5), ("high1", -1), ("low2", 5), ("mid", 0), ("high2", -1)]):
         tasks.append(asyncio.ensure_future(run(req(rid, 1, prio))))
-        await asyncio.sleep(0.001)
+        await wait_until(lambda k=k: pool.queue_depth == k + 1)  # type: ignore[misc]
     assert pool.queue_depth == 5
     assert pool.queue_depth_by_priority() == {5: 2, -1: 2, 0: 1}
     await asyncio.gather(blocker, *tasks)
@@ -122,7 +122,7 @@ async def test_least_loaded_dispatch_over_workers() -> None:
     pool, engines = make_pool(SimulatedConfig(itl=0.02), num_workers=2, slots_per_worker=4)
     await pool.start()
     tasks = [asyncio.ensure_future(drain(pool, req(f"r{i}", 5))) for i in range(6)]
-    await asyncio.sleep(0.03)
+    await wait_until(lambda: pool.running == 6)
     assert sorted(w.in_flight for w in pool.workers) == [3, 3]
     await asyncio.gather(*tasks)
     assert [w.in_flight for w in pool.workers] == [0, 0]
@@ -135,7 +135,7 @@ async def test_consumer_cancel_aborts_engine_request() -> None:
     pool, engines = make_pool(SimulatedConfig(itl=0.05))
     await pool.start()
     task = asyncio.ensure_future(drain(pool, req("gone", 100)))
-    await asyncio.sleep(0.12)
+    await wait_until(lambda: engines[0].generation_tokens_total > 3)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert "gone" in engines[0].aborted
@@ -168,14 +168,11 @@ async def test_dead_engine_fails_in_flight_and_restarts() -> None:
     pool, engines = make_pool(SimulatedConfig(itl=0.02), restart_backoff=(0.01, 0.05))
     await pool.start()
     task = asyncio.ensure_future(drain(pool, req("victim", 100)))
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: engines[0].generation_tokens_total > 2)
     engines[0].kill()
     with pytest.raises(EngineDead):
         await task
-    for _ in range(100):
-        if pool.workers[0].restarts:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: pool.workers[0].restarts > 0, what="the restart")
     assert pool.workers[0].restarts == 1 and len(engines) == 2
     outs = await drain(pool, req("after", 2))
     assert len(outs) == 2
@@ -206,9 +203,9 @@ async def test_stop_drains_then_aborts_with_clean_errors() -> None:
     pool, _engines = make_pool(SimulatedConfig(itl=0.02), slots_per_worker=1)
     await pool.start()
     short = asyncio.ensure_future(drain(pool, req("short", 3)))
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: pool.running == 1)
     queued = asyncio.ensure_future(drain(pool, req("queued", 3)))
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: pool.queue_depth == 1)
     await pool.stop(timeout=1.0)
     assert len(await short) == 3  # in-flight work finished
     with pytest.raises(ShuttingDown):
@@ -218,8 +215,9 @@ async def test_stop_drains_then_aborts_with_clean_errors() -> None:
 
     pool2, engines2 = make_pool(SimulatedConfig(itl=0.05))
     await pool2.start()
+    probed = engines2[0].generation_tokens_total  # the start-up probe's token
     long = asyncio.ensure_future(drain(pool2, req("long", 1000)))
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: engines2[0].generation_tokens_total > probed)
     await pool2.stop(timeout=0.1)
     with pytest.raises(ShuttingDown):
         await long

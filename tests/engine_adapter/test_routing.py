@@ -19,7 +19,7 @@ import httpx
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from support import free_port
+from support import free_port, wait_until
 
 from engine_adapter.backends.remote import build_remote_pool
 from engine_adapter.backends.simulated import ByteTokenizer, SimulatedConfig, SimulatedEngine
@@ -199,11 +199,13 @@ async def test_fallback_on_full_queue_and_on_queue_timeout() -> None:
     pools = {"full": full, "slow": slow, "small": pool("small")}
     async with table(pools, [], ["full=small", "slow=small"]) as t:
         blockers = [asyncio.ensure_future(run(t, name, f"block-{name}")) for name in ("full", "slow")]
-        await asyncio.sleep(0.02)
-        assert (await run(t, "full", "a")).answered_by == "small"
+        await wait_until(lambda: full.running == 1 and slow.running == 1)
+        got = await run(t, "full", "a")
+        assert got.served_by == got.answered_by == "small"  # moved at admission
         t0 = time.monotonic()
-        assert (await run(t, "slow", "b")).answered_by == "small"
-        assert 0.04 < time.monotonic() - t0 < 0.5
+        got = await run(t, "slow", "b")
+        assert got.served_by == got.answered_by == "small"
+        assert time.monotonic() - t0 >= 0.05  # after the queue wait, not before
         assert value(t, "npugw_route_fallbacks_total", alias="full", to_target="small", reason="queue_full") == 1
         assert value(t, "npugw_route_fallbacks_total", alias="slow", reason="queue_timeout") == 1
         for b in blockers:
@@ -216,7 +218,7 @@ async def test_without_fallback_the_error_reaches_the_client() -> None:
     full = pool("full", lambda: SimulatedEngine(SimulatedConfig(hang=True)), slots_per_worker=1, max_queue_size=0)
     async with table({"full": full, "other": pool("other")}, ["chat=full:1"]) as t:
         blocker = asyncio.ensure_future(run(t, "chat", "block"))
-        await asyncio.sleep(0.01)
+        await wait_until(lambda: full.running == 1)
         with pytest.raises(QueueFull):
             await run(t, "chat", "x")
         blocker.cancel()
@@ -362,7 +364,7 @@ async def test_http_alias_header_models_stickiness_and_admin() -> None:
 @pytest.mark.asyncio
 async def test_route_change_keeps_in_flight_streams() -> None:
     s = Settings(alias=["chat=v2:1"])
-    async with app_client(s, itl=0.02) as (c, _):
+    async with app_client(s, itl=0.02) as (c, app):
         async def stream() -> bytes:
             body = chat(stream=True, max_tokens=15)
             async with c.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-ID": "x"}) as r:
@@ -370,7 +372,8 @@ async def test_route_change_keeps_in_flight_streams() -> None:
                 return await r.aread()
 
         task = asyncio.ensure_future(stream())
-        await asyncio.sleep(0.1)
+        v2 = app.state.gateway.base_models["v2"].pool
+        await wait_until(lambda: v2.running == 1, what="the stream to start on v2")
         r = await c.post("/admin/routes", json={"aliases": {"chat": {"v3": 1}}})
         assert r.status_code == 200
         out = await task

@@ -13,6 +13,7 @@ import httpx
 import orjson
 import pytest
 from sim_app import running_app
+from support import wait_until
 
 from engine_adapter.backends.simulated import SimulatedConfig
 from server.settings import Settings
@@ -216,9 +217,9 @@ async def test_tokens_per_minute_and_concurrency_limits(tmp_path: Path) -> None:
         err = assert_openai_error(await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 200}, headers=h), 429)
         assert "tokens per minute" in str(err["message"])
     s = Settings(api_keys_file=_keys_file(tmp_path, max_concurrent=1))
-    async with running_app(s, sim=SimulatedConfig(itl=0.05, max_model_len=256)) as (c, _):
+    async with running_app(s, sim=SimulatedConfig(itl=0.05, max_model_len=256)) as (c, app):
         slow = asyncio.ensure_future(c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 10}, headers=h))
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: app.state.gateway.pools[0].running == 1)
         assert_openai_error(await c.post("/v1/chat/completions", json=CHAT, headers=h), 429)
         assert (await slow).status_code == 200
 
@@ -246,11 +247,12 @@ async def test_key_default_priority_is_used(tmp_path: Path) -> None:
 @pytest.mark.asyncio
 async def test_queue_full_429_and_timeout_503_over_http() -> None:
     sim = SimulatedConfig(itl=0.05, max_model_len=256)
-    async with running_app(sim=sim, slots=1, max_queue_size=1, max_queue_wait=0.3) as (c, _):
+    async with running_app(sim=sim, slots=1, max_queue_size=1, max_queue_wait=0.3) as (c, app):
+        pool = app.state.gateway.pools[0]
         slow = asyncio.ensure_future(c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 20}))
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: pool.running == 1)
         waiting = asyncio.ensure_future(c.post("/v1/chat/completions", json=CHAT))
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: pool.queue_depth == 1)
         full = await c.post("/v1/chat/completions", json=CHAT)
         assert assert_openai_error(full, 429)["code"] == "queue_full"
         assert full.headers["retry-after"] == "1"
