@@ -8,6 +8,7 @@ import time
 
 import httpx
 import openai
+import orjson
 import pytest
 from support import EMBEDDED, GatewayProcess, metric_value
 from transformers import AutoTokenizer
@@ -137,4 +138,30 @@ async def test_queue_overflow_gives_429_with_retry_after(real_gateway: GatewayPr
     for r in rejected:
         assert int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["code"] == "queue_full"
+    assert _unfinished(real_gateway.url) == 0
+
+
+@pytest.mark.asyncio
+async def test_stream_overflow_gets_429_before_any_byte(real_gateway: GatewayProcess) -> None:
+    """The same overload, streamed: a refused stream is a 429 status with
+    Retry-After and a JSON body (no SSE byte); an admitted one streams to
+    [DONE] with no error event."""
+    body = {"model": EMBEDDED, "prompt": "Count:", "max_tokens": 24, "ignore_eos": True, "stream": True}
+
+    async def one(http: httpx.AsyncClient) -> tuple[httpx.Response, bytes]:
+        async with http.stream("POST", real_gateway.url + "/v1/completions", json=body) as r:
+            return r, await r.aread()
+
+    async with httpx.AsyncClient(timeout=180, limits=httpx.Limits(max_connections=100)) as http:
+        results = await asyncio.gather(*(one(http) for _ in range(60)))
+    codes = [r.status_code for r, _ in results]
+    assert codes.count(200) >= 40 and codes.count(429) >= 10 and set(codes) <= {200, 429}, codes
+    for r, raw in results:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1 and r.headers["content-type"].startswith("application/json")
+            assert not raw.startswith(b"data:") and orjson.loads(raw)["error"]["code"] == "queue_full"
+        else:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
+            assert raw.count(b'"text":') >= 24
     assert _unfinished(real_gateway.url) == 0
