@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -20,12 +21,27 @@ class Worker:
     in_flight: int = 0
     alive: bool = False
     restarts: int = 0
-    last_ready: float | None = None  # monotonic time of the last good probe
+    last_ready: float | None = None  # monotonic time of the last good probe (or finished request)
+    last_output: float | None = None  # monotonic time the engine last produced output (saw_output)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property
     def free(self) -> int:
         return self.slots - self.in_flight if self.alive else 0
+
+    def saw_output(self, now: float | None = None) -> None:
+        """The engine just produced output (a delta, an embedding): with a
+        passive readiness probe that counts as a good probe, so a busy engine
+        gets no probe requests."""
+        self.last_output = time.monotonic() if now is None else now
+
+    def last_sign_of_life(self, passive: bool) -> float | None:
+        """When this worker last showed it serves: a good probe or a finished
+        request, and with `passive` also any output."""
+        if passive and self.last_output is not None:
+            if self.last_ready is None or self.last_output > self.last_ready:
+                return self.last_output
+        return self.last_ready
 
     async def abort_quietly(self, request_id: str) -> None:
         """Abort an engine request; a failure (engine gone) is only logged."""
