@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 
 from engine_adapter.backends.simulated import SimulatedConfig
+from engine_adapter.backends.vllm import cpu_cores, cpu_list
 from engine_adapter.backends.vllm_config import VllmConfig
 from engine_adapter.devices import detect_device
 from engine_adapter.metrics import EngineMetrics
@@ -21,6 +23,34 @@ logger = logging.getLogger(__name__)
 
 def device_for(settings: Settings) -> str:
     return detect_device() if settings.device == "auto" else settings.device
+
+
+# With this many cores, the embedding engine's core ("auto") is taken out of
+# the generators' set; below it, giving up a core costs the generators more
+# than sharing one with a mostly idle engine.
+DISJOINT_EMBEDDING_CORES = 16
+
+
+def cpu_binds(settings: Settings, cores: list[int] | None = None) -> tuple[str | None, str | None]:
+    """(generators' VLLM_CPU_OMP_THREADS_BIND or None for the default,
+    embedding engine's or None for the generators') on a CPU device.
+
+    The embedding engine, idle most of the time, must not put OpenMP threads
+    on every core the generator computes on: by default it gets one thread
+    on the last core."""
+    s = settings
+    if device_for(s) != "cpu" or s.embedding_cpu_bind == "shared":
+        return None, None
+    if s.embedding_cpu_bind != "auto":
+        return None, s.embedding_cpu_bind
+    cores = cpu_cores() if cores is None else sorted(cores)
+    if not cores:
+        return None, None
+    own = cores[-1:]
+    user_set = "VLLM_CPU_OMP_THREADS_BIND" in os.environ
+    if len(cores) >= DISJOINT_EMBEDDING_CORES and not user_set:
+        return cpu_list(cores[:-1]), cpu_list(own)
+    return None, cpu_list(own)
 
 
 def model_specs(settings: Settings) -> list[ModelSpec]:
@@ -51,6 +81,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         return specs
     path, default_name = resolve_model(s.model)
     names = tuple(s.served_model_name) or (default_name,)
+    gen_bind, emb_bind = cpu_binds(s) if s.embedding_enabled else (None, None)
     engine = VllmConfig(
         model=str(path),
         served_model_name=names[0],
@@ -71,6 +102,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         load_format=s.load_format,
         profile_dir=str(s.profile_dir.resolve()) if s.profile_dir else None,
         extra=dict(s.engine_args),
+        process_env=(("VLLM_CPU_OMP_THREADS_BIND", gen_bind),) if gen_bind else (),
     )
     specs = [ModelSpec(names=names, backend="vllm", vllm=engine, root=str(path), **common)]  # type: ignore[arg-type]
     for extra_names, extra in s.extra_models():
@@ -89,9 +121,14 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
             runner="pooling",
             max_model_len=None,  # the model's own (256 for all-MiniLM-L6-v2)
             max_num_seqs=min(s.max_num_seqs, 64),
+            gpu_memory_utilization=s.embedding_gpu_memory_utilization,
             profile_dir=engine.profile_dir,
             profile_frontend=False,
+            process_env=(("VLLM_CPU_OMP_THREADS_BIND", emb_bind),) if emb_bind else (),
         )
+        if emb_bind:
+            logger.info("embedding engine: OpenMP threads on cores %s (--embedding-cpu-bind %s)",
+                        emb_bind, s.embedding_cpu_bind)
         specs.append(
             ModelSpec(names=emb_names, backend="vllm", vllm=emb, root=str(emb_path),
                       **{**common, "num_workers": 1, "slots_per_worker": min(s.max_num_seqs, 64)})  # type: ignore[arg-type]
@@ -139,6 +176,8 @@ def build_served_pools(
     device = device_for(settings)
     logger.info("device: %s (backend %s)", device, settings.backend)
     local = [(build_pool(spec, device, metrics), spec.names, spec.root) for spec in model_specs(settings)]
+    for pool, _, _ in local:
+        pool.passive_readiness = settings.readiness_probe == "passive"
     return local + build_remote_pools(settings)
 
 

@@ -38,6 +38,9 @@ class VllmConfig:
     # Other AsyncEngineArgs (--engine-arg KEY=VALUE); never a key of
     # gateway_engine_keys(): those have their own settings.
     extra: dict[str, Any] = field(default_factory=dict)
+    # Environment for this engine's processes only (e.g. its CPU thread
+    # binding), set while they start; not an engine argument.
+    process_env: tuple[tuple[str, str], ...] = ()
 
     def engine_kwargs(self, device: str, index: int = 0) -> dict[str, Any]:
         """The AsyncEngineArgs keyword arguments; None means vLLM's default."""
@@ -82,7 +85,7 @@ class VllmConfig:
 
 
 # VllmConfig fields that are not engine arguments.
-_NOT_ENGINE_ARGS = frozenset({"profile_dir", "profile_frontend", "extra"})
+_NOT_ENGINE_ARGS = frozenset({"profile_dir", "profile_frontend", "extra", "process_env"})
 # Engine arguments the gateway derives itself, and the setting that decides them.
 _DERIVED_ENGINE_ARGS = {
     "tokenizer": "--model (the tokenizer is the model folder's)",

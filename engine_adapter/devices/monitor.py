@@ -37,11 +37,20 @@ class DeviceMonitor:
         *,
         timeout: float = 15.0,
         clock: Callable[[], float] = time.time,
+        busy_factor: float = 4.0,
+        busy_utilization: float = 50.0,
     ) -> None:
         if timeout <= 0:
             raise ValueError("timeout must be > 0")
+        if busy_factor < 1:
+            raise ValueError("busy_factor must be >= 1")
         self.probe = probe
         self.timeout = timeout
+        # Under load the probe (npu-smi: a process and ~0.1-0.5 s of CPU per
+        # call) runs on the cores that feed the device: read busy_factor
+        # times less often while a device reads >= busy_utilization %.
+        self.busy_factor = busy_factor
+        self.busy_utilization = busy_utilization
         self._clock = clock
         self.readings: list[DeviceReading] = []
         self.errors = 0
@@ -78,6 +87,17 @@ class DeviceMonitor:
         self.last_refresh_ok = True
         return True
 
+    def busy(self) -> bool:
+        """Whether the last readings show a device (or the host CPU) under load."""
+        return any(
+            r.utilization is not None and r.utilization >= self.busy_utilization
+            for r in self.readings
+            if r.kind != "process"
+        )
+
+    def next_interval(self, interval: float) -> float:
+        return interval * self.busy_factor if self.last_refresh_ok and self.busy() else interval
+
     async def _loop(self, interval: float) -> None:
         while True:
             try:
@@ -87,7 +107,7 @@ class DeviceMonitor:
             except Exception:  # refresh() does not raise; belt and braces for the loop
                 self.errors += 1
                 logger.exception("device monitor refresh crashed")
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.next_interval(interval))
 
     async def start(self, interval: float) -> None:
         """Spawn the refresh task (first read right away)."""
