@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +91,14 @@ def prepare_embedded_model(progress: bool = True) -> Path:
 def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        GgufConfig,
-    )
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # transformers 5.19 (cpu/gpu sets) keeps GGUF weights quantized unless
+    # GgufConfig(dequantize=True) says otherwise; 5.5.4 (the vllm-ascend 0.23
+    # image's) has no GgufConfig and always dequantizes on load.
+    gguf_config = getattr(transformers, "GgufConfig", None)
+    dequantize: dict[str, Any] = {"quantization_config": gguf_config(dequantize=True)} if gguf_config else {}
 
     def say(msg: str) -> None:
         if progress:
@@ -109,7 +113,7 @@ def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
         str(gguf.parent),
         gguf_file=gguf.name,
         dtype=torch.bfloat16,
-        quantization_config=GgufConfig(dequantize=True),
+        **dequantize,
     )
     say(f"3/3 writing {out}")
     model.save_pretrained(str(out))
