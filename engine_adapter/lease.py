@@ -15,7 +15,8 @@ never streamed; it is idempotent and always safe to call.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,7 +36,7 @@ class Lease(Protocol):
     @property
     def requests(self) -> Sequence[GenerationRequest]: ...
 
-    def stream(self, idle_tick: float | None = None) -> AsyncIterator[Tagged]: ...
+    def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]: ...
 
     def release(self) -> None: ...
 
@@ -57,7 +58,7 @@ class PoolLease:
         self,
         served_by: str,
         held: list[tuple[GenerationRequest, Slot]],
-        run: Callable[[Slot, GenerationRequest, float | None], AsyncIterator[Batch]],
+        run: Callable[[Slot, GenerationRequest, float | None], AsyncGenerator[Batch, None]],
         release: Callable[[Slot], None],
     ) -> None:
         self.served_by = served_by
@@ -66,7 +67,7 @@ class PoolLease:
         self._run = run
         self._release = release
 
-    def stream(self, idle_tick: float | None = None) -> AsyncIterator[Tagged]:
+    def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]:
         held, self._held = self._held, []
         return merge([(i, self._run(slot, req, idle_tick)) for i, (req, slot) in enumerate(held)], held, self._release)
 
@@ -77,10 +78,10 @@ class PoolLease:
 
 
 async def merge(
-    streams: list[tuple[int, AsyncIterator[Batch]]],
+    streams: list[tuple[int, AsyncGenerator[Batch, None]]],
     held: list[tuple[GenerationRequest, Slot]] | None = None,
     release: Callable[[Slot], None] | None = None,
-) -> AsyncIterator[Tagged]:
+) -> AsyncGenerator[Tagged, None]:
     """Interleave several streams of batches, tagging each item with its
     stream's tag. Slots in `held` are released at the end whatever happened
     (a stream that never started does not release its own)."""
@@ -91,14 +92,15 @@ async def merge(
                 async for item in only:
                     yield tag, item
             finally:
-                await only.aclose()  # type: ignore[attr-defined]
+                await only.aclose()
             return
         queue: asyncio.Queue[Tagged | BaseException | None] = asyncio.Queue()
 
-        async def pump(tag: int, s: AsyncIterator[Batch]) -> None:
+        async def pump(tag: int, s: AsyncGenerator[Batch, None]) -> None:
             try:
-                async for item in s:
-                    queue.put_nowait((tag, item))
+                async with aclosing(s) as it:
+                    async for item in it:
+                        queue.put_nowait((tag, item))
                 queue.put_nowait(None)
             except asyncio.CancelledError:
                 raise

@@ -22,7 +22,8 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 
 from engine_adapter.channel import END, TICK, Channel, Ticker
 from engine_adapter.errors import (
@@ -270,16 +271,17 @@ class WorkerPool:
         """Admit `req`, then its outputs one at a time (None: an idle tick).
         For probes and tests; the HTTP layer acquires and streams itself."""
         lease = await self.acquire([req])
-        async for _, batch in lease.stream(idle_tick):
-            if batch is None:
-                yield None
-                continue
-            for out in batch:
-                yield out
+        async with aclosing(lease.stream(idle_tick)) as stream:
+            async for _, batch in stream:
+                if batch is None:
+                    yield None
+                    continue
+                for out in batch:
+                    yield out
 
     async def _run(
         self, slot: Slot, req: GenerationRequest, idle_tick: float | None = None
-    ) -> AsyncIterator[list[EngineOutput] | None]:
+    ) -> AsyncGenerator[list[EngineOutput] | None, None]:
         """Run an admitted request on its slot's worker: its deltas in lists
         of what was ready together (one engine step each when the consumer
         keeps up). Errors are `GatewayError`s. With `idle_tick`, yields None

@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any, TypeVar
 
 import orjson
@@ -94,19 +95,24 @@ class Generation:
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
-    async def outputs(self, idle_tick: float | None = None) -> AsyncIterator[tuple[int, list[EngineOutput]] | None]:
+    async def outputs(
+        self, idle_tick: float | None = None
+    ) -> AsyncGenerator[tuple[int, list[EngineOutput]] | None, None]:
         """The engines' deltas, tagged with the prompt's index; None is an
         idle tick. Tokens are counted as they come."""
         cached = self._cached
-        async for p, batch in self.lease.stream(idle_tick):
-            if batch is None:
-                yield None
-                continue
-            for out in batch:
-                self.completion_tokens += len(out.token_ids)
-                if out.cached_tokens:
-                    cached[p] = out.cached_tokens
-            yield p, batch
+        # aclosing: leaving early (a disconnect) closes the engine stream now,
+        # which aborts the engine request, instead of whenever it is collected
+        async with aclosing(self.lease.stream(idle_tick)) as stream:
+            async for p, batch in stream:
+                if batch is None:
+                    yield None
+                    continue
+                for out in batch:
+                    self.completion_tokens += len(out.token_ids)
+                    if out.cached_tokens:
+                        cached[p] = out.cached_tokens
+                yield p, batch
 
     async def collect(self, each: Callable[[int, EngineOutput], None] | None = None) -> dict[Key, Choice]:
         """Every choice of every prompt, whole (for a non-streamed answer)."""
@@ -158,31 +164,45 @@ def _release(lease: Lease) -> None:
     lease.release()
 
 
+def openai_stream_error(err: GatewayError) -> bytes:
+    """How an OpenAI stream ends on an error: an error event, then `[DONE]`."""
+    return error_event(err) + sse.DONE
+
+
 def stream_response(
     gen: Generation,
     render: Callable[[int, list[EngineOutput]], bytes | None],
     tail: Callable[[], bytes],
     keep_alive: float | None,
+    *,
+    head: Callable[[], bytes] | None = None,
+    on_error: Callable[[GatewayError], bytes] = openai_stream_error,
+    ping: bytes = sse.KEEP_ALIVE,
 ) -> Response:
-    """The SSE skeleton: rendered batches (one write each), keep-alive
-    comments, `tail()` then `[DONE]`. An error once the stream has begun is
-    an error event, then `[DONE]`."""
+    """The SSE skeleton: `head()` first if given, rendered batches (one write
+    each), `ping` when idle for `keep_alive` seconds, then `tail()` (which
+    ends the stream: `[DONE]` for the OpenAI APIs). An error once the stream
+    has begun ends it with `on_error(err)`. The lease and the key's tokens
+    are settled however it ends."""
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for item in gen.outputs(keep_alive):
-                if item is None:
-                    yield sse.KEEP_ALIVE
-                    continue
-                chunk = render(*item)
-                if chunk:
-                    yield chunk
-            yield tail() + sse.DONE
+            if head is not None:
+                yield head()
+            async with aclosing(gen.outputs(keep_alive)) as outputs:
+                async for item in outputs:
+                    if item is None:
+                        yield ping
+                        continue
+                    chunk = render(*item)
+                    if chunk:
+                        yield chunk
+            yield tail()
         except GatewayError as e:
-            yield error_event(e) + sse.DONE
+            yield on_error(e)
         except Exception:
             logger.exception("stream failed")
-            yield error_event(EngineError("internal error while streaming; see the gateway log")) + sse.DONE
+            yield on_error(EngineError("internal error while streaming; see the gateway log"))
         finally:
             gen.finish()
 
@@ -264,5 +284,11 @@ class SSEResponse(StreamingResponse):
             if self.background is not None:
                 await self.background()
         finally:
+            # A disconnect can cancel the response while it awaits a socket
+            # write, leaving the body suspended at a `yield`: close it now so
+            # the engine request is aborted at once, not when it is collected.
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
             if self.on_close is not None:
                 self.on_close()

@@ -25,7 +25,8 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -336,7 +337,7 @@ class RouterLease:
     def served_by(self) -> str:
         return self._chain[self._i][0]
 
-    async def stream(self, idle_tick: float | None = None) -> AsyncIterator[Tagged]:
+    async def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]:
         router = self._router
         deadline = min((r.deadline for r in self.requests if r.deadline is not None), default=math.inf)
         while True:
@@ -345,10 +346,11 @@ class RouterLease:
             ttft: float | None = None
             inner = self._inner
             try:
-                async for tag, batch in inner.stream(idle_tick):
-                    if batch and ttft is None:
-                        ttft = time.monotonic() - start
-                    yield tag, batch
+                async with aclosing(inner.stream(idle_tick)) as stream:
+                    async for tag, batch in stream:
+                        if batch and ttft is None:
+                            ttft = time.monotonic() - start
+                        yield tag, batch
             except GatewayError as e:
                 inner.release()
                 router._failed(self._chain, self._i, e, deadline, ttft)  # raises unless it may move on

@@ -137,5 +137,5 @@ class _Chunks:
 
     def tail(self) -> bytes:
         if not self.include_usage:
-            return b""
-        return sse.event({**self.head, "choices": [], "usage": self.gen.usage()})
+            return sse.DONE
+        return sse.event({**self.head, "choices": [], "usage": self.gen.usage()}) + sse.DONE

@@ -141,5 +141,5 @@ class _Completions:
 
     def tail(self) -> bytes:
         if not (self.body.stream_options and self.body.stream_options.include_usage):
-            return b""
-        return sse.event({**self.head, "choices": [], "usage": self.gen.usage()})
+            return sse.DONE
+        return sse.event({**self.head, "choices": [], "usage": self.gen.usage()}) + sse.DONE
