@@ -35,7 +35,7 @@ from engine_adapter.lease import Lease
 from engine_adapter.types import EngineOutput, GenerationRequest
 from server import sse
 from server.auth import Principal
-from server.errors import error_event
+from server.errors import error_event, error_response
 from server.limits import Admission
 from server.render import Choice, usage
 from server.state import Gateway, ServedModel
@@ -60,7 +60,10 @@ class Generation:
     """One admitted client request: the key's admission, the engine lease,
     and the tokens it used."""
 
-    __slots__ = ("_cached", "_done", "admission", "completion_tokens", "created", "lease", "model", "prompt_tokens")
+    __slots__ = (
+        "_cached", "_done", "_first", "_stream", "admission", "completion_tokens", "created", "lease", "model",
+        "prompt_tokens",
+    )
 
     def __init__(self, model: ServedModel, lease: Lease, admission: Admission) -> None:
         self.model = model
@@ -71,6 +74,8 @@ class Generation:
         self.completion_tokens = 0
         self._cached: dict[int, int] = {}
         self._done = False
+        self._stream: AsyncGenerator[tuple[int, list[EngineOutput]] | None, None] | None = None
+        self._first: tuple[int, list[EngineOutput]] | None = None
 
     @property
     def requests(self) -> list[GenerationRequest]:
@@ -95,14 +100,42 @@ class Generation:
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
+    async def prime(self, idle_tick: float | None = None) -> None:
+        """Wait for the first output, so that every failure before the first
+        token (an alias falling back, an engine failing, a timeout) happens
+        before a stream's status line: the status then says what happened
+        and the `x-npugw-served-by` header names who answers."""
+        self._stream = self._counted(idle_tick)
+        try:
+            while True:
+                item = await self._stream.__anext__()
+                if item is not None:
+                    self._first = item
+                    return
+        except StopAsyncIteration:
+            return
+
     async def outputs(
         self, idle_tick: float | None = None
     ) -> AsyncGenerator[tuple[int, list[EngineOutput]] | None, None]:
         """The engines' deltas, tagged with the prompt's index; None is an
-        idle tick. Tokens are counted as they come."""
-        cached = self._cached
+        idle tick. Tokens are counted as they come. After `prime`, the first
+        output, then the rest."""
+        if self._stream is None:
+            self._stream = self._counted(idle_tick)
+        elif self._first is not None:
+            first, self._first = self._first, None
+            yield first
         # aclosing: leaving early (a disconnect) closes the engine stream now,
         # which aborts the engine request, instead of whenever it is collected
+        async with aclosing(self._stream) as stream:
+            async for item in stream:
+                yield item
+
+    async def _counted(
+        self, idle_tick: float | None
+    ) -> AsyncGenerator[tuple[int, list[EngineOutput]] | None, None]:
+        cached = self._cached
         async with aclosing(self.lease.stream(idle_tick)) as stream:
             async for p, batch in stream:
                 if batch is None:
@@ -113,6 +146,12 @@ class Generation:
                     if out.cached_tokens:
                         cached[p] = out.cached_tokens
                 yield p, batch
+
+    async def close(self) -> None:
+        """Close the engine stream (aborting what still runs), then `finish`."""
+        if self._stream is not None:
+            await self._stream.aclose()
+        self.finish()
 
     async def collect(self, each: Callable[[int, EngineOutput], None] | None = None) -> dict[Key, Choice]:
         """Every choice of every prompt, whole (for a non-streamed answer)."""
@@ -178,10 +217,13 @@ def stream_response(
     head: Callable[[], bytes] | None = None,
     on_error: Callable[[GatewayError], bytes] = openai_stream_error,
     ping: bytes = sse.KEEP_ALIVE,
+    refuse: Callable[[GatewayError], Response] = error_response,
 ) -> Response:
     """The SSE skeleton: `head()` first if given, rendered batches (one write
     each), `ping` when idle for `keep_alive` seconds, then `tail()` (which
-    ends the stream: `[DONE]` for the OpenAI APIs). An error once the stream
+    ends the stream: `[DONE]` for the OpenAI APIs). The status line waits for
+    the first token (`Generation.prime`): a failure before it is a status and
+    an error body (`refuse(err)`), never a stream. An error once the stream
     has begun ends it with `on_error(err)`. The lease and the key's tokens
     are settled however it ends."""
 
@@ -206,8 +248,7 @@ def stream_response(
         finally:
             gen.finish()
 
-    return SSEResponse(body(), media_type="text/event-stream", headers={**sse.SSE_HEADERS, **gen.headers()},
-                       on_close=gen.finish)
+    return SSEResponse(body(), gen, keep_alive, refuse, media_type="text/event-stream", headers=dict(sse.SSE_HEADERS))
 
 
 async def json_response(
@@ -257,19 +298,40 @@ async def until_disconnect(
 
 
 class SSEResponse(StreamingResponse):
-    """StreamingResponse with the client-disconnect watch on plain asyncio
-    tasks instead of an anyio task group (a measurable share of a short
-    stream's CPU). As Starlette's: a disconnect cancels the body iterator
-    (so the engine request is aborted) and ends the response quietly.
-    `on_close` runs however the response ends, even if the body never
-    started."""
+    """A generation's SSE response. Before the status line it waits for the
+    first token (`gen.prime()`, given up if the client leaves); a failure
+    there is answered by `refuse(err)` instead, a status with an error body.
+    The disconnect watch runs on plain asyncio tasks instead of an anyio
+    task group (a measurable share of a short stream's CPU); as Starlette's,
+    a disconnect cancels the body (so the engine request is aborted) and
+    ends the response quietly. The generation is closed however it ends."""
 
-    def __init__(self, *args: Any, on_close: Callable[[], None] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.on_close = on_close
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        gen: Generation,
+        keep_alive: float | None,
+        refuse: Callable[[GatewayError], Response],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(body, **kwargs)
+        self.gen = gen
+        self.keep_alive = keep_alive
+        self.refuse = refuse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gen = self.gen
         try:
+            try:
+                await until_disconnect(Request(scope, receive), gen.prime(self.keep_alive))
+            except GatewayError as e:
+                await gen.close()
+                await self.refuse(e)(scope, receive, send)
+                return
+            except asyncio.CancelledError:
+                return  # the client left before the first token
+            for k, v in gen.headers().items():  # known now: the target that answers
+                self.raw_headers.append((k.lower().encode("latin-1"), v.encode("latin-1")))
             stream = asyncio.ensure_future(self.stream_response(send))
             watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
             try:
@@ -290,5 +352,4 @@ class SSEResponse(StreamingResponse):
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()
-            if self.on_close is not None:
-                self.on_close()
+            await gen.close()

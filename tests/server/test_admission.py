@@ -251,3 +251,25 @@ async def test_a_failed_request_charges_what_was_generated(stream: bool) -> None
         assert key_tokens(metrics, "completion") == 2
         pool = app.state.gateway.pools[0]
         assert pool.running == 0 and pool.workers[0].in_flight == 0
+
+
+@pytest.mark.asyncio
+async def test_a_failure_before_the_first_token_is_a_status_even_for_a_stream() -> None:
+    async with in_process(lambda i: CachedEngine(SimulatedConfig(), fail_after=0)) as (client, app):
+        r = await client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 500 and r.headers["content-type"].startswith("application/json")
+        assert r.json()["error"]["code"] == "engine_error" and b"data:" not in r.content
+        pool = app.state.gateway.pools[0]
+        assert pool.running == 0 and pool.workers[0].in_flight == 0
+
+
+@pytest.mark.asyncio
+async def test_an_engine_failure_before_the_first_token_falls_back_before_the_status_line() -> None:
+    broken = WorkerPool("broken", lambda i: CachedEngine(SimulatedConfig(), fail_after=0), readiness_interval=60)
+    backup = sim_pool("backup", SimulatedConfig())
+    pools = [(broken, ("broken",), "broken"), (backup, ("backup",), "backup")]
+    async with serve(pools, Settings(fallback=["broken=backup"])) as (client, _):
+        async with client.stream("POST", "/v1/chat/completions", json={**CHAT, "model": "broken"}) as r:
+            assert r.status_code == 200 and r.headers["x-npugw-served-by"] == "backup"
+            raw = await r.aread()
+        assert {c["model"] for c in sse_events(raw)} == {"backup"}

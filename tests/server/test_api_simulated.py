@@ -280,10 +280,13 @@ async def test_request_timeout_in_stream_gives_error_event_then_done() -> None:
 
 @pytest.mark.asyncio
 async def test_keep_alive_comments_on_a_quiet_stream() -> None:
-    sim = SimulatedConfig(ttft=0.5, max_model_len=256)
+    """Once the stream has begun (its status line waits for the first token),
+    a quiet gap gets keep-alive comments."""
+    sim = SimulatedConfig(itl=0.5, max_model_len=256)
     async with running_app(Settings(sse_keep_alive_interval=0.1), sim=sim) as (c, _):
-        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1, "stream": True})
-        assert r.text.count(": keep-alive\n\n") >= 3
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, "stream": True})
+        first_token = r.text.index('"content":"The"')
+        assert r.text.count(": keep-alive\n\n", first_token) >= 3
         assert r.text.endswith("data: [DONE]\n\n")
 
 
