@@ -6,7 +6,10 @@ involved here)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +25,8 @@ import yaml
 NGINX_DIR = Path(__file__).resolve().parents[2] / "deploy" / "nginx"
 PROD = NGINX_DIR / "nginx.conf"
 AFFINITY = NGINX_DIR / "nginx-session-affinity.conf"
+HOST = NGINX_DIR / "nginx-host.conf"  # the plain-host variant of PROD
+NGINX_README = NGINX_DIR / "README.md"
 GATEWAY_DEFAULT_MAX_BODY = 4194304  # the gateway's --max-request-body-bytes default
 
 
@@ -46,7 +51,7 @@ def _render(conf: Path, listen_port: int, upstream_ports: list[int]) -> str:
 
 # ------------------------------------------------------------ static checks
 
-@pytest.mark.parametrize("conf", [PROD, AFFINITY], ids=lambda p: p.name)
+@pytest.mark.parametrize("conf", [PROD, AFFINITY, HOST], ids=lambda p: p.name)
 def test_config_passes_nginx_t(conf: Path, nginx_binary: str, tmp_path: Path) -> None:
     text = _render(conf, deploy_services.free_port(), [deploy_services.free_port(), deploy_services.free_port()])
     result = deploy_services.nginx_check_config(text, tmp_path, nginx=nginx_binary)
@@ -64,7 +69,7 @@ def test_nginx_t_rejects_a_broken_config(nginx_binary: str, tmp_path: Path) -> N
     assert "proxy_bufering" in result.stderr
 
 
-@pytest.mark.parametrize("conf", [PROD, AFFINITY], ids=lambda p: p.name)
+@pytest.mark.parametrize("conf", [PROD, AFFINITY, HOST], ids=lambda p: p.name)
 def test_config_has_the_production_settings(conf: Path) -> None:
     text = conf.read_text()
     up = _upstream_block(text)
@@ -122,6 +127,129 @@ def test_the_two_configs_differ_only_in_balancing() -> None:
         "default $http_x_session_id;",
         "hash $npugw_affinity_key consistent;",
     ]
+
+
+# ------------------------------------------- the install step on a plain host
+#
+# README: `sudo cp deploy/nginx/nginx-host.conf /etc/nginx/nginx.conf && sudo
+# nginx -t` on RHEL/EulerOS and Debian/Ubuntu alike; the compose files need the
+# documented `sed` (deploy/nginx/README.md). nginx.conf itself fails there:
+# `user nginx;` (Debian/Ubuntu have www-data) and the compose host names.
+
+
+def _code(text: str) -> list[str]:
+    return [ln for ln in (re.sub(r"#[^\n]*", "", ln).rstrip() for ln in text.splitlines()) if ln.strip()]
+
+
+def _documented_sed() -> str:
+    """The `sed ...` of deploy/nginx/README.md that turns a compose config into a
+    plain-host one (without its file argument and the `| sudo tee` part)."""
+    m = re.search(
+        r"^(sed .*?)deploy/nginx/nginx-session-affinity\.conf \| sudo tee /etc/nginx/nginx\.conf",
+        NGINX_README.read_text(),
+        flags=re.M | re.S,
+    )
+    assert m, "deploy/nginx/README.md: the plain-host sed command is missing"
+    return m.group(1).replace("\\\n", " ").strip()
+
+
+def _apply_documented_sed(conf: Path) -> str:
+    cmd = f"{_documented_sed()} {shlex.quote(str(conf))}"
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=30, check=True)
+    return out.stdout
+
+
+def _nginx_t_as_shipped(text: str, prefix: Path, nginx: str) -> subprocess.CompletedProcess[str]:
+    """`nginx -t` on `text` with its user and upstreams as they are: only the
+    pid, log and temp paths move under `prefix` (the harness's usual
+    rewrite); no `user root;` is added, so as root nginx resolves the
+    build's default user, as `sudo nginx -t` does."""
+    prefix.mkdir(parents=True, exist_ok=True)
+    prepared = deploy_services.prepare_nginx_conf(text, prefix)
+    prepared = prepared.removeprefix("user root;\n")
+    assert _upstream_block(prepared) == _upstream_block(text)
+    assert _directives(prepared, "user") == _directives(text, "user")
+    conf = prefix / "nginx.conf"
+    conf.write_text(prepared)
+    return subprocess.run(
+        [nginx, "-t", "-p", str(prefix), "-c", str(conf)], capture_output=True, text=True, timeout=30
+    )
+
+
+def test_host_variant_is_the_compose_config_with_the_documented_edits() -> None:
+    host = HOST.read_text()
+    assert _directives(host, "user") == [], "no user line: the package's build default (nginx / nobody)"
+    servers = re.findall(r"server\s+(\S+)\s", _upstream_block(host))
+    assert servers == ["127.0.0.1:8000", "127.0.0.1:8001"]
+    # The documented sed turns nginx.conf into nginx-host.conf, line for line.
+    assert _code(_apply_documented_sed(PROD)) == _code(host)
+    assert "sudo cp deploy/nginx/nginx-host.conf /etc/nginx/nginx.conf && sudo nginx -t" in NGINX_README.read_text()
+
+
+@pytest.mark.parametrize("conf", [HOST], ids=lambda p: p.name)
+def test_host_variant_passes_nginx_t_as_shipped(conf: Path, nginx_binary: str, tmp_path: Path) -> None:
+    result = _nginx_t_as_shipped(conf.read_text(), tmp_path, nginx_binary)
+    assert result.returncode == 0, result.stderr
+    assert "test is successful" in result.stderr
+
+
+@pytest.mark.parametrize("conf", [PROD, AFFINITY], ids=lambda p: p.name)
+def test_compose_config_with_the_documented_sed_passes_nginx_t(conf: Path, nginx_binary: str, tmp_path: Path) -> None:
+    text = _apply_documented_sed(conf)
+    assert "gateway-1" not in "\n".join(_code(text)) and _directives(text, "user") == []
+    result = _nginx_t_as_shipped(text, tmp_path, nginx_binary)
+    assert result.returncode == 0, result.stderr
+
+
+def _conf_path(nginx: str) -> str:
+    v = subprocess.run([nginx, "-V"], capture_output=True, text=True, timeout=30).stderr
+    m = re.search(r"--conf-path=(\S+)", v)
+    return m.group(1) if m else "/etc/nginx/nginx.conf"
+
+
+# Inside a private mount namespace: tmpfs over the config folder, /var/log,
+# /var/lib and /run, so the real step (`cp` to the packaged config path, a
+# bare `nginx -t` as root) runs unchanged and leaves nothing on this host.
+_INSTALL_STEP = """set -e
+conf_dir=$(dirname "$2")
+for d in "$conf_dir" /var/log /var/lib /run; do mount -t tmpfs tmpfs "$d"; done
+mkdir -p /var/log/nginx /var/lib/nginx
+cp "$1" "$2"
+exec "$3" -t
+"""
+
+
+def _install_step(conf: Path, nginx: str) -> subprocess.CompletedProcess[str]:
+    if os.geteuid() != 0:
+        pytest.skip("the install step is `sudo nginx -t`: it needs root (run pytest as root)")
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here (unshare --mount: {probe.stderr.strip()})")
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "bash", "-c", _INSTALL_STEP, "step",
+         str(conf), _conf_path(nginx), nginx],
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_documented_install_step_on_this_host(nginx_binary: str, tmp_path: Path) -> None:
+    """`sudo cp deploy/nginx/nginx-host.conf /etc/nginx/nginx.conf && sudo
+    nginx -t`, the README's step, with this host's nginx package; the compose
+    configs pass after the documented sed and fail as the issue reports
+    without it."""
+    ok = _install_step(HOST, nginx_binary)
+    assert ok.returncode == 0, ok.stderr
+    assert "test is successful" in ok.stderr
+    for conf in (PROD, AFFINITY):
+        fixed = tmp_path / f"host-{conf.name}"
+        fixed.write_text(_apply_documented_sed(conf))
+        ok = _install_step(fixed, nginx_binary)
+        assert ok.returncode == 0, (conf.name, ok.stderr)
+        broken = _install_step(conf, nginx_binary)
+        assert broken.returncode != 0
+        assert 'getpwnam("nginx") failed' in broken.stderr or 'host not found in upstream "gateway-1:8000"' in (
+            broken.stderr
+        ), broken.stderr
 
 
 # -------------------------------------------------------- fake upstreams

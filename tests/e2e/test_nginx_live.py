@@ -30,6 +30,7 @@ from support import GatewayProcess, metric_value
 pytestmark = pytest.mark.e2e
 
 PROD = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "nginx.conf"
+HOST = PROD.with_name("nginx-host.conf")  # the plain-host variant (no user line, 127.0.0.1 replicas)
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 CHAT_ROUTE = "/v1/chat/completions"
 
@@ -37,9 +38,9 @@ StartGateways = Callable[..., list[GatewayProcess]]
 StartNginx = Callable[..., object]
 
 
-def render(upstream_ports: list[int], listen_port: int, read_timeout: str | None = None) -> str:
-    """deploy/nginx/nginx.conf with only ports (and optionally the read timeout) changed."""
-    text = PROD.read_text()
+def render(upstream_ports: list[int], listen_port: int, read_timeout: str | None = None, conf: Path = PROD) -> str:
+    """deploy/nginx/nginx.conf (or `conf`) with only ports (and optionally the read timeout) changed."""
+    text = conf.read_text()
     text = deploy_services.rewrite_nginx_upstream(text, "npu_gateway", [f"127.0.0.1:{p}" for p in upstream_ports])
     text = deploy_services.rewrite_nginx_listen(text, listen_port)
     if read_timeout is not None:
@@ -48,10 +49,12 @@ def render(upstream_ports: list[int], listen_port: int, read_timeout: str | None
     return text
 
 
-def front(start_nginx: StartNginx, gateways: list[GatewayProcess], name: str = "nginx", **kw: str) -> str:
+def front(
+    start_nginx: StartNginx, gateways: list[GatewayProcess], name: str = "nginx", conf: Path = PROD, **kw: str
+) -> str:
     """Start nginx in front of `gateways`; return its base URL."""
     port = deploy_services.free_port()
-    start_nginx(render([gw.port for gw in gateways], port, **kw), name=name)
+    start_nginx(render([gw.port for gw in gateways], port, conf=conf, **kw), name=name)
     return f"http://127.0.0.1:{port}"
 
 
@@ -110,9 +113,10 @@ def test_stream_arrives_through_nginx_incrementally(
 
 # --------------------------------------------------- balancing, request id
 
-def test_requests_spread_over_both_replicas(sim_gateways: StartGateways, nginx_server: StartNginx) -> None:
+@pytest.mark.parametrize("conf", [PROD, HOST], ids=lambda p: p.name)
+def test_requests_spread_over_both_replicas(conf: Path, sim_gateways: StartGateways, nginx_server: StartNginx) -> None:
     gateways = sim_gateways([], [])
-    url = front(nginx_server, gateways)
+    url = front(nginx_server, gateways, conf=conf)
     before = [chat_count(gw) for gw in gateways]
     n = 12
     with httpx.Client(timeout=30) as client:
