@@ -18,7 +18,19 @@ from server.errors import install_error_handlers
 from server.limits import Limits
 from server.metrics import GatewayMetrics, PoolCollector
 from server.middleware import GatewayMiddleware
-from server.routes import admin, chat, completions, embeddings, health, models, routing_admin, tokenize
+from server.routes import (
+    admin,
+    chat,
+    completions,
+    embeddings,
+    generate,
+    health,
+    messages,
+    models,
+    responses,
+    routing_admin,
+    tokenize,
+)
 from server.settings import Settings
 from server.state import Gateway
 
@@ -86,7 +98,7 @@ def create_app(
         PoolCollector(lambda: holder["gw"].pools if "gw" in holder else [], gw_metrics.rejections)
     )
     install_error_handlers(app)
-    for r in (chat, completions, embeddings, models, tokenize, health, admin):
+    for r in (chat, completions, responses, messages, generate, embeddings, models, tokenize, health, admin):
         app.include_router(r.router)
     routing_admin.setup_routing(app, registry)  # /admin/routes, upstream metrics
     app.add_middleware(GatewayMiddleware, metrics=gw_metrics, max_body=settings.max_request_body_bytes)

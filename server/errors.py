@@ -1,5 +1,12 @@
-"""The one table from error kind to HTTP status, OpenAI error `type` and
-`Retry-After`, used for JSON error bodies and for SSE error events alike."""
+"""The tables from error kind to HTTP status, error `type` and `Retry-After`,
+one per API family, used for JSON error bodies and for SSE error events alike:
+
+- OpenAI (`KINDS`): every route but the two below;
+- Anthropic (`ANTHROPIC_KINDS`): paths under `/v1/messages`;
+- TGI (`TGI_KINDS`): `/generate` and `/generate_stream` (both of their shapes).
+
+`shape_for(path)` picks the family; the exception handlers and the
+middleware's pre-checks answer in it."""
 
 from __future__ import annotations
 
@@ -22,12 +29,15 @@ from engine_adapter.errors import (
     MethodNotAllowed,
     NotFound,
     PermissionDenied,
+    QueueFull,
+    QueueTimeout,
     RateLimited,
     RequestTimeout,
     RequestTooLarge,
     ServiceUnavailable,
     UnsupportedMediaType,
 )
+from server.protocol_generate import SHAPE_ERROR
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +121,21 @@ def error_event(err: GatewayError) -> bytes:
     return b"data: " + orjson.dumps(error_body(err)) + b"\n\n"
 
 
+# The tags of the tagged unions (the /generate shapes, Responses input items,
+# Anthropic content blocks): pydantic puts them in an error's location.
+_BODY_TAGS = frozenset(("vllm", "tgi"))
+_ITEM_TAGS = frozenset(("message", "function_call", "function_call_output", "text", "tool_use", "tool_result"))
+
+
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
+    raw = [str(p) for p in loc]
+    # a union tag right after the body or a list index names no parameter
+    parts = [
+        p for i, p in enumerate(raw)
+        if p != "body" and not (
+            i > 0 and ((p in _BODY_TAGS and raw[i - 1] == "body") or (p in _ITEM_TAGS and raw[i - 1].isdigit()))
+        )
+    ]
     # drop pydantic's union-branch names such as "str" or "list[int]"
     clean: list[str] = []
     for p in parts:
@@ -141,14 +164,125 @@ def validation_error(exc: RequestValidationError) -> InvalidRequest:
     return InvalidRequest(msg, param=param, code="invalid_value")
 
 
+# ---- Anthropic ------------------------------------------------------------
+# Anthropic's statuses: a full queue or a queue wait is "overloaded" (529, which
+# its SDK retries); a draining or dead engine is 503, so nginx fails over.
+ANTHROPIC_KINDS: dict[type[GatewayError], Kind] = {
+    GatewayError: Kind(500, "api_error"),
+    InvalidRequest: Kind(400, "invalid_request_error"),
+    UnsupportedMediaType: Kind(415, "invalid_request_error"),
+    MethodNotAllowed: Kind(405, "invalid_request_error"),
+    AuthenticationError: Kind(401, "authentication_error"),
+    PermissionDenied: Kind(403, "permission_error"),
+    NotFound: Kind(404, "not_found_error"),
+    RequestTooLarge: Kind(413, "request_too_large"),
+    RateLimited: Kind(429, "rate_limit_error"),
+    QueueFull: Kind(529, "overloaded_error"),
+    RequestTimeout: Kind(504, "timeout_error"),
+    EngineError: Kind(500, "api_error"),
+    ServiceUnavailable: Kind(503, "overloaded_error"),
+    QueueTimeout: Kind(529, "overloaded_error"),
+}
+
+# ---- TGI (and vLLM's api_server /generate) ----------------------------------
+# TGI's `error_type`s: validation (422), overloaded (429/503), generation.
+TGI_KINDS: dict[type[GatewayError], Kind] = {
+    GatewayError: Kind(500, "generation"),
+    InvalidRequest: Kind(422, "validation"),
+    UnsupportedMediaType: Kind(415, "validation"),
+    MethodNotAllowed: Kind(405, "validation"),
+    AuthenticationError: Kind(401, "authentication"),
+    PermissionDenied: Kind(403, "permission"),
+    NotFound: Kind(404, "not_found"),
+    RequestTooLarge: Kind(413, "validation"),
+    RateLimited: Kind(429, "overloaded"),
+    RequestTimeout: Kind(504, "incomplete_generation"),
+    EngineError: Kind(500, "generation"),
+    ServiceUnavailable: Kind(503, "overloaded"),
+}
+
+
+class Shape:
+    """One API family's error rendering (OpenAI's is the functions above;
+    the others override `body`)."""
+
+    def __init__(self, table: dict[type[GatewayError], Kind]) -> None:
+        self.table = table
+
+    def kind(self, err: GatewayError) -> Kind:
+        if self.table is KINDS:
+            return kind_of(err)
+        status = getattr(err, "status", None)  # an error that carries its own status
+        if isinstance(status, int):
+            return Kind(status, self.table[InvalidRequest if status < 500 else GatewayError].type)
+        for cls in type(err).__mro__:
+            kind = self.table.get(cls)
+            if kind is not None:
+                return kind
+        raise AssertionError("unreachable: GatewayError is in the table")
+
+    def body(self, err: GatewayError) -> dict[str, Any]:
+        return error_body(err)
+
+    def response(self, err: GatewayError) -> Response:
+        if self.table is KINDS:  # OpenAI's: the module's own response (an upstream's refusal relayed as is)
+            return error_response(err)
+        return Response(
+            orjson.dumps(self.body(err)), status_code=self.kind(err).status, media_type="application/json",
+            headers=error_headers(err),
+        )
+
+
+class _AnthropicShape(Shape):
+    def body(self, err: GatewayError) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": self.kind(err).type, "message": err.message}}
+
+
+class _TgiShape(Shape):
+    def body(self, err: GatewayError) -> dict[str, Any]:
+        return {"error": err.message, "error_type": self.kind(err).type}
+
+
+OPENAI = Shape(KINDS)
+ANTHROPIC = _AnthropicShape(ANTHROPIC_KINDS)
+TGI = _TgiShape(TGI_KINDS)
+
+
+def shape_for(path: str) -> Shape:
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return ANTHROPIC
+    if path in ("/generate", "/generate_stream"):
+        return TGI
+    return OPENAI
+
+
+def anthropic_error_event(err: GatewayError) -> bytes:
+    """An error after an Anthropic stream began: `event: error`."""
+    return b"event: error\ndata: " + orjson.dumps(ANTHROPIC.body(err)) + b"\n\n"
+
+
+def tgi_error_event(err: GatewayError) -> bytes:
+    """An error after a TGI stream began: a `data:` event with `error`."""
+    return b"data:" + orjson.dumps(TGI.body(err)) + b"\n\n"
+
+
+# A /generate body that is neither shape is a 400 (the other /generate
+# validation errors are TGI's 422).
+GENERATE_SHAPE_ERROR = SHAPE_ERROR
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_gateway(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, GatewayError)
-        return error_response(exc)
+        return shape_for(request.url.path).response(exc)
 
     async def on_validation(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
-        return error_response(validation_error(exc))
+        err: GatewayError = validation_error(exc)
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == GENERATE_SHAPE_ERROR:
+            err = HTTPStatusError(str(first.get("msg")), 400)
+        return shape_for(request.url.path).response(err)
 
     async def on_http(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -159,11 +293,12 @@ def install_error_handlers(app: FastAPI) -> None:
             err = MethodNotAllowed(f"method {request.method} not allowed on {request.url.path}")
         else:
             err = HTTPStatusError(str(exc.detail), exc.status_code)
-        return error_response(err)
+        return shape_for(request.url.path).response(err)
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error on %s", request.url.path)
-        return error_response(GatewayError("internal error; see the gateway log", code="internal_error"))
+        err = GatewayError("internal error; see the gateway log", code="internal_error")
+        return shape_for(request.url.path).response(err)
 
     app.add_exception_handler(GatewayError, on_gateway)
     app.add_exception_handler(RequestValidationError, on_validation)

@@ -16,10 +16,10 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapter.errors import GatewayError, InvalidRequest, RequestTooLarge, UnsupportedMediaType
-from server.errors import error_body, error_headers, status_of
+from server.errors import error_headers, shape_for
 from server.metrics import GatewayMetrics
 
-_JSON_ROUTES = ("/v1/", "/tokenize", "/detokenize", "/admin/")
+_JSON_ROUTES = ("/v1/", "/tokenize", "/detokenize", "/admin/", "/generate")
 
 
 class GatewayMiddleware:
@@ -61,7 +61,7 @@ class GatewayMiddleware:
         try:
             err = self._precheck(scope, headers)
             if err is not None:
-                await _send_error(send_wrapper, err)
+                await _send_error(send_wrapper, err, scope["path"])
                 return
             await self.app(scope, receive_wrapper, send_wrapper)
         finally:
@@ -92,9 +92,10 @@ class GatewayMiddleware:
         return None
 
 
-async def _send_error(send: Send, err: GatewayError) -> None:
-    body = orjson.dumps(error_body(err))
+async def _send_error(send: Send, err: GatewayError, path: str) -> None:
+    shape = shape_for(path)  # the error shape of the API the path belongs to
+    body = orjson.dumps(shape.body(err))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(err).items()]
-    await send({"type": "http.response.start", "status": status_of(err), "headers": headers})
+    await send({"type": "http.response.start", "status": shape.kind(err).status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -111,6 +111,16 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = Field(None, description="YAML keys file (sha256 of keys, limits)")
     metrics_api_key: str | None = Field(None, description="key required for /metrics")
     admin_api_key: str | None = Field(None, description="key for admin routes (default: any --api-key)")
+    # --- stored state ---
+    data_dir: Path = Field(
+        Path("~/.cache/npu-gateway/data"),
+        description="folder of the gateway's embedded databases (created on first use)",
+    )
+    responses_db: str | None = Field(
+        None,
+        description="stored /v1/responses: a SQLite file, or an SQLAlchemy async URL "
+        "(sqlite+aiosqlite:///PATH); default DATA_DIR/responses.db; 'none' stores nothing",
+    )
     # --- observability ---
     device_probe_interval: float = Field(5.0, gt=0, description="seconds between device memory probes")
     profile_dir: Path | None = Field(None, description="where /start_profile writes traces")
