@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter as CounterDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -17,6 +18,7 @@ from server.auth import KeyStore
 from server.errors import install_error_handlers
 from server.limits import Limits
 from server.metrics import GatewayMetrics, PoolCollector
+from server.metrics_multiproc import AppRegistry, LiveExport, multiprocess_registry
 from server.middleware import GatewayMiddleware
 from server.routes import (
     admin,
@@ -48,8 +50,10 @@ def create_app(
     in the lifespan when not given. Given pools are started and stopped by
     the app too."""
     disable_created_metrics()  # type: ignore[no-untyped-call]  # as vLLM: no *_created series
-    registry = registry if registry is not None else CollectorRegistry()
+    registry = registry if registry is not None else AppRegistry()
     gw_metrics = GatewayMetrics(registry)
+    # One of several gateway processes (--workers N): /metrics covers them all.
+    mp_registry = multiprocess_registry(registry)
     holder: dict[str, Gateway] = {}
 
     @asynccontextmanager
@@ -67,6 +71,7 @@ def create_app(
         app.state.gateway = gw
         started: list[WorkerPool] = []
         monitor = None
+        live_export = LiveExport(mp_registry) if mp_registry is not None else None
 
         async def start(p: WorkerPool) -> None:
             await p.start()
@@ -76,9 +81,13 @@ def create_app(
             await asyncio.gather(*(start(p) for p in gw.pools))
             routing_admin.start_routing(app, gw)  # aliases and fallbacks over started pools; SIGHUP reloads
             monitor = await start_device_monitor(settings, registry)
+            if live_export is not None:
+                live_export.start()
             logger.info("serving %s", ", ".join(gw.models))
             yield
         finally:
+            if live_export is not None:
+                await live_export.stop()
             routing_admin.stop_routing(app)
             gw.draining = True
             await asyncio.gather(*(p.stop(settings.shutdown_timeout) for p in started))
@@ -92,6 +101,12 @@ def create_app(
     )
     app.state.settings = settings
     app.state.registry = registry
+    if mp_registry is not None:
+        from server.metrics_multiproc import ProcessCollector, exposition_registry
+
+        gw_metrics.process_requests = CounterDict()
+        mp_registry.register(ProcessCollector(gw_metrics.process_requests))
+        app.state.registry = exposition_registry(mp_registry)
     app.state.metrics = gw_metrics
     app.state.keys = KeyStore.from_settings(settings)
     registry.register(

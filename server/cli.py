@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -27,10 +28,16 @@ class GatewayServer(uvicorn.Server):
         self.settings = settings
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.on_started: Callable[[], None] | None = None  # --workers: tells the supervisor
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)  # type: ignore[arg-type]
+
+    async def startup(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+        await super().startup(sockets)  # type: ignore[arg-type]
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining or self._loop is None or not self.started:
@@ -58,11 +65,15 @@ def _unwrap(app: object) -> object:
     return app
 
 
-def serve(settings: Settings) -> None:
+def setup_logging(settings: Settings) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+def build_server(settings: Settings) -> GatewayServer:
+    """The app and its server (one per gateway process)."""
     from server.app import create_app
     from server.auth import KeysFileError
 
@@ -82,7 +93,20 @@ def serve(settings: Settings) -> None:
         timeout_graceful_shutdown=5,
         timeout_keep_alive=75,
     )
-    GatewayServer(config, settings).run()
+    return GatewayServer(config, settings)
+
+
+def serve(settings: Settings) -> None:
+    setup_logging(settings)
+    if settings.workers > 1:  # several processes, gateway-only: server/workers.py
+        from server.workers import check_workers, serve_workers
+
+        problem = check_workers(settings)
+        if problem is not None:
+            print(f"npu-gateway: {problem}", file=sys.stderr)
+            raise SystemExit(2)
+        raise SystemExit(serve_workers(settings))
+    build_server(settings).run()
 
 
 def prepare_model() -> None:

@@ -85,6 +85,9 @@ class GatewayMetrics:
             registry=r,
         )
         self._rejections: CounterDict[tuple[str, str]] = CounterDict()
+        # Requests by route in this process; kept only with several gateway
+        # processes (server/metrics_multiproc.py exports it per process).
+        self.process_requests: CounterDict[str] | None = None
         self.key_requests = Counter(
             "npugw_api_key_requests", "Requests per API key name (never the key).",
             ["api_key_name", "model_name"], registry=r,
@@ -103,6 +106,8 @@ class GatewayMetrics:
     def http_done(self, route: str, method: str, status: int, seconds: float) -> None:
         self._child(self.http_requests, route, method, str(status)).inc()
         self._child(self.http_duration, route).observe(seconds)
+        if self.process_requests is not None:
+            self.process_requests[route] += 1
 
     def key_request(self, name: str | None, model: str) -> None:
         self._child(self.key_requests, name or "anonymous", model).inc()

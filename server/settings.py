@@ -39,6 +39,11 @@ class Settings(BaseSettings):
     # --- HTTP ---
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    workers: int = Field(
+        1, ge=1,
+        description="gateway processes sharing the port (SO_REUSEPORT); more than 1 only with --model none "
+        "(gateway-only); metrics cover all of them, limits are per process",
+    )
     log_level: str = Field("info", description="log level")
     # --- models ---
     model: str | None = Field(None, description="local Hugging Face folder; default: the embedded SmolLM2")
