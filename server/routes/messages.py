@@ -11,6 +11,7 @@ and `anthropic-version` is accepted whatever its value.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -57,7 +58,7 @@ def chat_fields(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
         if m.role == "assistant":
             calls = [
                 {"id": b.id, "type": "function",
-                 "function": {"name": b.name, "arguments": orjson.dumps(b.input).decode()}}
+                 "function": {"name": b.name, "arguments": _dumps(b.input)}}
                 for b in m.content if isinstance(b, ToolUseBlock)
             ]
             msg: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
@@ -121,6 +122,13 @@ async def count_tokens(body: CountTokensRequest, gw: GatewayDep, principal: Auth
     plan = plan_tools(chat, tok)
     _, ids = chat_prompt(chat, tok, plan.template_tools, plan.chat_template)
     return {"input_tokens": len(ids)}
+
+
+def _dumps(obj: dict[str, Any]) -> str:
+    try:
+        return orjson.dumps(obj).decode()
+    except TypeError:  # orjson refuses integers past 64 bits; JSON does not
+        return json.dumps(obj)
 
 
 def _tool_id(call_id: str) -> str:

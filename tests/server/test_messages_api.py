@@ -168,3 +168,14 @@ async def test_a_disconnect_mid_stream_aborts_the_engine_request(tmp_path: Path)
                         break
         engine = live.pool.workers[0].engine
         await wait_until(lambda: len(engine.aborted) == 1 and live.pool.running == 0, what="the abort")  # type: ignore[attr-defined]
+
+
+@pytest.mark.asyncio
+async def test_a_tool_use_input_with_a_huge_integer_is_served(tmp_path: Path) -> None:
+    """orjson refuses integers past 64 bits (found by schemathesis: a 500)."""
+    async with serve_scripted(Settings(data_dir=tmp_path)) as live, httpx.AsyncClient(base_url=live.url) as http:
+        msgs = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"n": 2**70}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]
+        r = await http.post("/v1/messages", json={"model": "sim", "max_tokens": 5, "messages": msgs})
+        assert r.status_code == 200, r.text
