@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from types import FrameType
 
@@ -29,6 +30,11 @@ class GatewayServer(uvicorn.Server):
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.on_started: Callable[[], None] | None = None  # --workers: tells the supervisor
+        # --workers: a signal can arrive twice (from the terminal or systemd's
+        # cgroup kill, and forwarded by the supervisor): the second within
+        # this many seconds is the same signal, not "exit at once".
+        self.same_signal_window = 0.0
+        self._drain_since = 0.0
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
@@ -40,10 +46,13 @@ class GatewayServer(uvicorn.Server):
             self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining and time.monotonic() - self._drain_since < self.same_signal_window:
+            return
         if self._draining or self._loop is None or not self.started:
             super().handle_exit(sig, frame)
             return
         self._draining = True
+        self._drain_since = time.monotonic()
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
 
     async def _drain(self) -> None:

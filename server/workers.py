@@ -116,6 +116,7 @@ def _child(settings: Settings, index: int, ready: multiprocessing.connection.Con
         ready.send(os.getpid())
 
     server.on_started = started
+    server.same_signal_window = 1.0
     server.run(sockets=[sock])
 
 

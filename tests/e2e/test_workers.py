@@ -142,7 +142,11 @@ def test_two_processes_serve_one_port_and_metrics_count_each_request_once(tier: 
             os.kill(pid, 0)
 
 
-def test_sigterm_lets_each_process_finish_its_streams(tier: Tier) -> None:
+@pytest.mark.parametrize("to", ["supervisor", "process-group"])
+def test_sigterm_lets_each_process_finish_its_streams(to: str, tier: Tier) -> None:
+    """`supervisor`: kill PID (docker, Kubernetes); `process-group`: every
+    process gets SIGTERM directly too (a terminal's Ctrl-C, systemd's cgroup
+    kill), and the supervisor's forwarded copy must not cut the drain short."""
     node = tier.node("--simulated-itl", "0.05")
     front = tier.front(node)
     body = {**CHAT, "max_tokens": 40, "stream": True}
@@ -151,7 +155,10 @@ def test_sigterm_lets_each_process_finish_its_streams(tier: Tier) -> None:
         lines = [stack.enter_context(c.stream("POST", front.url + CHAT_ROUTE, json=body)).iter_lines() for c in clients]
         firsts = [next(it) for it in lines]  # every stream has begun
         assert all(line.startswith("data: ") for line in firsts), firsts
-        front.signal(signal.SIGTERM)
+        if to == "supervisor":
+            front.signal(signal.SIGTERM)
+        else:
+            os.killpg(front.proc.pid, signal.SIGTERM)
         # New requests get 503 (or no connection) while the processes drain.
         wait_until_sync(lambda: _refused_or_503(front.url), timeout=10, what="drain to start")
         rests = [list(it) for it in lines]
