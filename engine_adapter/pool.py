@@ -445,20 +445,27 @@ class WorkerPool:
 
     # Passive readiness: output the engine produced (Worker.saw_output)
     # counts as a good probe, so an engine busy with real requests gets no
-    # probe requests; an idle or stalled one is probed. False: only probes
-    # and finished requests count (`--readiness-probe active`).
+    # probe requests, and an idle one is probed once per interval and stays
+    # ready for 1.5 intervals after its last sign of life. Each probe keeps a
+    # vLLM worker busy-polling its shared-memory queue for ~1 s afterwards
+    # (vLLM's SpinCondition), so an idle engine probed every half interval
+    # took ~0.4 of a core from the engines that serve. A hung engine turns
+    # not-ready at most 1.5 intervals (7.5 s at the default 5 s) after its
+    # last output or probe. False (`--readiness-probe active`), the old rule:
+    # only probes and finished requests count, idle engines are probed twice
+    # per interval, ready for one interval.
     passive_readiness: bool = True
 
+    def _ready_window(self) -> float:
+        return self.readiness_interval * (1.5 if self.passive_readiness else 1.0)
+
     async def _probe_loop(self, w: Worker) -> None:
-        # A finished real request (passive: any output) counts as a probe, so
-        # a busy worker is not probed; an idle or stalled one is, twice per
-        # interval. A hung engine shows no output and fails its probe, so it
-        # turns not-ready at most `readiness_interval` after its last output.
         half = self.readiness_interval / 2
+        stale_after = self.readiness_interval if self.passive_readiness else half
         while True:
             await asyncio.sleep(half)
             seen = w.last_sign_of_life(self.passive_readiness)
-            fresh = seen is not None and time.monotonic() - seen < half
+            fresh = seen is not None and time.monotonic() - seen < stale_after
             if w.alive and not fresh:
                 await self._probe(w)
 
@@ -470,7 +477,7 @@ class WorkerPool:
         n = 0
         for w in self.workers:
             seen = w.last_sign_of_life(self.passive_readiness)
-            if w.alive and seen is not None and now - seen <= self.readiness_interval:
+            if w.alive and seen is not None and now - seen <= self._ready_window():
                 n += 1
         return n
 
