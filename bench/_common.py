@@ -239,11 +239,11 @@ class Server:
         self.start_s: float | None = None
 
     def start(self) -> Server:
-        log = open(self.log_path, "wb")
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd, start_new_session=True
-        )
+        with open(self.log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd, start_new_session=True
+            )
         end = t0 + self.ready_timeout
         last = ""
         while time.monotonic() < end:

