@@ -1,6 +1,5 @@
 """The one parser for `NAME=ITEM[,ITEM...][;key=value...]` settings:
---alias, --fallback, --upstream, --upstream-tokenizer, --extra-model and
---engine-arg all read their entries through `parse_entry`."""
+--alias, --fallback, --upstream, --extra-model and --engine-arg all read their entries through `parse_entry`."""
 
 from __future__ import annotations
 

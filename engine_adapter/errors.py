@@ -15,6 +15,7 @@ events alike. Routers decide fallback on the kind (`fallback_reason`).
     ├── NotFound
     │   └── ModelNotFound
     ├── RequestTooLarge           the body is over the limit
+    ├── UpstreamRejected          an upstream node's 4xx (relayed as is)
     ├── RateLimited               a per-key limit, or an upstream's 429
     │   └── QueueFull             the model's queue is full
     ├── RequestTimeout            the request ran past its deadline
@@ -83,6 +84,19 @@ class ModelNotFound(NotFound):
 
 class RequestTooLarge(GatewayError):
     code = "request_too_large"
+
+
+class UpstreamRejected(GatewayError):
+    """An upstream node refused the request (a 4xx): its status and body
+    are relayed to the client as they are."""
+
+    code = "upstream_rejected"
+
+    def __init__(self, message: str, *, status: int, body: bytes, content_type: str = "application/json") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+        self.content_type = content_type
 
 
 class RateLimited(GatewayError):

@@ -18,9 +18,9 @@ import asyncio
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from engine_adapter.types import EngineOutput, GenerationRequest
+from engine_adapter.types import EngineOutput, GenerationRequest, RelayCall, RelayUsage
 
 if TYPE_CHECKING:
     from engine_adapter.workers import Worker
@@ -29,14 +29,33 @@ Batch = list[EngineOutput] | None
 Tagged = tuple[int, Batch]
 
 
+Relayed = bytes | RelayUsage
+Request = GenerationRequest | RelayCall
+
+
+class Ask(Protocol):
+    """What a route asks of whichever target admission picks, in the form
+    that target takes: generation requests for a local engine (tokenized
+    with its tokenizer), or one pass-through call for upstream nodes."""
+
+    def local(self, pool: Any, model: str) -> list[GenerationRequest]: ...
+
+    def relay(self, model: str) -> RelayCall: ...
+
+
 class Lease(Protocol):
     @property
     def served_by(self) -> str: ...
 
     @property
-    def requests(self) -> Sequence[GenerationRequest]: ...
+    def requests(self) -> Sequence[Request]: ...
+
+    @property
+    def relayed(self) -> bool: ...
 
     def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]: ...
+
+    def relay(self) -> AsyncGenerator[Relayed, None]: ...
 
     def release(self) -> None: ...
 
@@ -47,29 +66,50 @@ class Slot:
 
     worker: Worker
     released: bool = False
+    opened: Any = None  # a relayed call the node accepted (backends/remote.py Opened)
 
 
 class PoolLease:
     """Slots on the workers of one WorkerPool, one per request."""
 
-    __slots__ = ("_held", "_release", "_run", "requests", "served_by")
+    __slots__ = ("_held", "_relay", "_release", "_run", "requests", "served_by")
 
     def __init__(
         self,
         served_by: str,
-        held: list[tuple[GenerationRequest, Slot]],
+        held: list[tuple[Request, Slot]],
         run: Callable[[Slot, GenerationRequest, float | None], AsyncGenerator[Batch, None]],
+        relay: Callable[[Slot, RelayCall], AsyncGenerator[Relayed, None]],
         release: Callable[[Slot], None],
     ) -> None:
         self.served_by = served_by
         self.requests = [r for r, _ in held]
         self._held = held
         self._run = run
+        self._relay = relay
         self._release = release
+
+    @property
+    def relayed(self) -> bool:
+        return bool(self.requests) and isinstance(self.requests[0], RelayCall)
 
     def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]:
         held, self._held = self._held, []
-        return merge([(i, self._run(slot, req, idle_tick)) for i, (req, slot) in enumerate(held)], held, self._release)
+        runs = [(i, self._run(slot, req, idle_tick)) for i, (req, slot) in enumerate(held)
+                if isinstance(req, GenerationRequest)]
+        return merge(runs, held, self._release)
+
+    async def relay(self) -> AsyncGenerator[Relayed, None]:
+        held, self._held = self._held, []
+        try:
+            ((call, slot),) = held
+            assert isinstance(call, RelayCall)
+            async with aclosing(self._relay(slot, call)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            for _, slot in held:
+                self._release(slot)
 
     def release(self) -> None:
         held, self._held = self._held, []
@@ -79,7 +119,7 @@ class PoolLease:
 
 async def merge(
     streams: list[tuple[int, AsyncGenerator[Batch, None]]],
-    held: list[tuple[GenerationRequest, Slot]] | None = None,
+    held: list[tuple[Request, Slot]] | None = None,
     release: Callable[[Slot], None] | None = None,
 ) -> AsyncGenerator[Tagged, None]:
     """Interleave several streams of batches, tagging each item with its

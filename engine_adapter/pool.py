@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
+from dataclasses import replace
 
 from engine_adapter.channel import END, TICK, Channel, Ticker
 from engine_adapter.errors import (
@@ -35,7 +36,7 @@ from engine_adapter.errors import (
     RequestTimeout,
     ShuttingDown,
 )
-from engine_adapter.lease import PoolLease, Slot
+from engine_adapter.lease import Ask, PoolLease, Slot
 from engine_adapter.readiness import probe_once
 from engine_adapter.types import (
     Embedded,
@@ -45,6 +46,8 @@ from engine_adapter.types import (
     EngineStats,
     GenerationRequest,
     ModelCard,
+    RelayCall,
+    RelayUsage,
     Tokenizer,
 )
 from engine_adapter.workers import PoolCounters, Waiter, Worker
@@ -175,11 +178,28 @@ class WorkerPool:
                 best = w
         return best
 
-    async def acquire(self, reqs: Sequence[GenerationRequest], session: str | None = None) -> PoolLease:
-        """Admission: an engine slot for each of `reqs` (the prompts of one
-        client request), or a `GatewayError` kind. `session` is for routers;
-        a pool balances by load."""
-        held: list[tuple[GenerationRequest, Slot]] = []
+    @property
+    def relays(self) -> bool:
+        """Upstream nodes, reached by pass-through (no local tokenizer)."""
+        return any(getattr(w.engine, "relays", False) for w in self.workers)
+
+    async def acquire(
+        self, ask: Ask | Sequence[GenerationRequest], session: str | None = None, model: str | None = None
+    ) -> PoolLease:
+        """Admission: an engine slot for each request of `ask` (the prompts
+        of one client request; one pass-through call for upstream nodes), or
+        a `GatewayError` kind. `model`: the served name the requests carry
+        (a router's target); `session` is for routers, a pool balances by
+        load."""
+        name = model or self.name
+        reqs: Sequence[GenerationRequest]
+        if isinstance(ask, Sequence):
+            reqs = [r if r.model == name else replace(r, model=name) for r in ask]
+        elif self.relays:
+            return await self._acquire_relay(ask.relay(name))
+        else:
+            reqs = ask.local(self, name)
+        held: list[tuple[GenerationRequest | RelayCall, Slot]] = []
         try:
             for r in reqs:
                 held.append((r, Slot(await self._acquire(r.priority, r.deadline))))
@@ -187,7 +207,33 @@ class WorkerPool:
             for _, slot in held:
                 self._release_slot(slot)
             raise
-        return PoolLease(self.name, held, self._run, self._release_slot)
+        return PoolLease(name, held, self._run, self._relay, self._release_slot)
+
+    async def _acquire_relay(self, call: RelayCall) -> PoolLease:
+        """A slot, then the node's acceptance of the call (its status line):
+        a node that refuses or cannot be reached fails admission."""
+        slot = Slot(await self._acquire(call.priority, call.deadline))
+        try:
+            slot.opened = await slot.worker.engine.open(call)  # type: ignore[attr-defined]
+        except BaseException:
+            self._release_slot(slot)
+            raise
+        return PoolLease(call.model, [(call, slot)], self._run, self._relay, self._release_slot)
+
+    async def _relay(self, slot: Slot, call: RelayCall) -> AsyncGenerator[bytes | RelayUsage, None]:
+        """Relay the node's answer to `call`; the slot is released at the
+        end, however it ends."""
+        self._running += 1
+        self._idle.clear()
+        try:
+            async with aclosing(slot.opened.items()) as items:
+                async for item in items:
+                    yield item
+        finally:
+            self._running -= 1
+            if self._running == 0:
+                self._idle.set()
+            self._release_slot(slot)
 
     async def _acquire(self, priority: int, deadline: float | None) -> Worker:
         if not self._accepting:
@@ -249,6 +295,8 @@ class WorkerPool:
     def _release_slot(self, slot: Slot) -> None:
         if not slot.released:
             slot.released = True
+            if slot.opened is not None:
+                slot.opened.close()  # never relayed: the node sees the disconnect
             self._release(slot.worker)
 
     def _release(self, w: Worker) -> None:

@@ -11,6 +11,8 @@ from engine_adapter.types import EmbeddingRequest, Engine, GenerationRequest, Sa
 
 async def probe_once(engine: Engine, model: str) -> None:
     await engine.health()
+    if getattr(engine, "relays", False):
+        return  # upstream nodes: their health checks are the probe
     if engine.card.kind == "embed":
         await engine.embed(EmbeddingRequest(f"probe-{uuid.uuid4().hex}", model, ((1,),)))
         return

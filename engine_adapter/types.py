@@ -77,6 +77,47 @@ class EmbeddingRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class RelayCall:
+    """A request passed through to an upstream node: the client's endpoint
+    and JSON body, as sent (only `model` is set per node)."""
+
+    request_id: str
+    model: str  # the served name of the target (a router renames it)
+    path: str  # e.g. "/v1/chat/completions"
+    body: dict[str, Any]
+    stream: bool = False  # the client streams
+    want_usage: bool = False  # the client asked for the stream's usage chunk
+    priority: int = 0
+    deadline: float | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    api_key_name: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()  # sent upstream as well (the gateway's X-Request-Id)
+
+
+@dataclass(frozen=True, slots=True)
+class RelayUsage:
+    """The usage a node reported for a passed-through request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def from_dict(cls, usage: Any) -> RelayUsage | None:
+        if not isinstance(usage, dict):
+            return None
+        details = usage.get("prompt_tokens_details") or {}
+        try:
+            return cls(
+                int(usage.get("prompt_tokens") or 0),
+                int(usage.get("completion_tokens") or 0),
+                int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0,
+            )
+        except (TypeError, ValueError):
+            return None
+
+
+@dataclass(frozen=True, slots=True)
 class Embedded:
     """An embedding answer and the served model that computed it."""
 

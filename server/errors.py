@@ -36,6 +36,7 @@ from engine_adapter.errors import (
     RequestTooLarge,
     ServiceUnavailable,
     UnsupportedMediaType,
+    UpstreamRejected,
 )
 from server.protocol_generate import SHAPE_ERROR
 
@@ -75,7 +76,7 @@ class HTTPStatusError(GatewayError):
 
 
 def kind_of(err: GatewayError) -> Kind:
-    if isinstance(err, HTTPStatusError):
+    if isinstance(err, HTTPStatusError | UpstreamRejected):
         return Kind(err.status, "invalid_request_error" if err.status < 500 else "internal_server_error")
     for cls in type(err).__mro__:
         kind = KINDS.get(cls)
@@ -108,6 +109,8 @@ def error_headers(err: GatewayError) -> dict[str, str]:
 
 
 def error_response(err: GatewayError) -> Response:
+    if isinstance(err, UpstreamRejected):  # the node's own status and body
+        return Response(err.body, status_code=err.status, media_type=err.content_type, headers=error_headers(err))
     return Response(
         orjson.dumps(error_body(err)),
         status_code=status_of(err),

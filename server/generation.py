@@ -32,8 +32,9 @@ from starlette.types import Receive, Scope, Send
 
 from engine_adapter.errors import EngineError, GatewayError
 from engine_adapter.lease import Lease
-from engine_adapter.types import EngineOutput, GenerationRequest
+from engine_adapter.types import EngineOutput, GenerationRequest, RelayUsage
 from server import sse
+from server.ask import RouteAsk
 from server.auth import Principal
 from server.errors import error_event, error_response
 from server.limits import Admission
@@ -45,6 +46,12 @@ T = TypeVar("T")
 
 SERVED_BY = "x-npugw-served-by"
 Key = tuple[int, int]  # (prompt, choice index)
+
+
+def forwarded(request: Request) -> tuple[tuple[str, str], ...]:
+    """Headers an upstream node gets too: the gateway's request id."""
+    rid = request.scope.get("state", {}).get("request_id")
+    return (("X-Request-Id", rid),) if rid else ()
 
 
 def session_of(request: Request, user: str | None) -> str | None:
@@ -70,7 +77,7 @@ class Generation:
         self.lease = lease
         self.admission = admission
         self.created = int(time.time())
-        self.prompt_tokens = sum(len(r.prompt_token_ids) for r in lease.requests)
+        self.prompt_tokens = sum(len(r.prompt_token_ids) for r in lease.requests if isinstance(r, GenerationRequest))
         self.completion_tokens = 0
         self._cached: dict[int, int] = {}
         self._done = False
@@ -79,7 +86,19 @@ class Generation:
 
     @property
     def requests(self) -> list[GenerationRequest]:
-        return list(self.lease.requests)
+        """The engine requests (one per prompt) of a local generation."""
+        return [r for r in self.lease.requests if isinstance(r, GenerationRequest)]
+
+    @property
+    def relayed(self) -> bool:
+        """Passed through to upstream nodes (see server/relay.py)."""
+        return self.lease.relayed
+
+    def took(self, usage: RelayUsage) -> None:
+        """The usage a node reported for a passed-through request."""
+        self.prompt_tokens = usage.prompt_tokens
+        self.completion_tokens = usage.completion_tokens
+        self._cached[0] = usage.cached_tokens
 
     @property
     def served_by(self) -> str:
@@ -155,7 +174,7 @@ class Generation:
 
     async def collect(self, each: Callable[[int, EngineOutput], None] | None = None) -> dict[Key, Choice]:
         """Every choice of every prompt, whole (for a non-streamed answer)."""
-        n = self.lease.requests[0].sampling.n
+        n = self.requests[0].sampling.n
         choices: dict[Key, Choice] = {}
         async for item in self.outputs():
             assert item is not None
@@ -184,15 +203,19 @@ async def admit(
     gw: Gateway,
     principal: Principal,
     model: ServedModel,
-    reqs: list[GenerationRequest],
+    ask: RouteAsk | list[GenerationRequest],
     session: str | None,
 ) -> Generation:
-    """Admission: the key's limits, then an engine slot per request. Raises
-    a `GatewayError` kind; returns only when the request will run."""
-    budget = sum(len(r.prompt_token_ids) + r.sampling.max_tokens * r.sampling.n for r in reqs)
+    """Admission: the key's limits, then an engine slot per request (on the
+    target an alias picks, in the form it takes: `ask`). Raises a
+    `GatewayError` kind; returns only when the request will run."""
+    if isinstance(ask, list):
+        budget = sum(len(r.prompt_token_ids) + r.sampling.max_tokens * r.sampling.n for r in ask)
+    else:
+        budget = ask.budget()
     admission = await gw.limits.admit(principal, model.id, budget)
     try:
-        lease = await until_disconnect(request, model.pool.acquire(reqs, session), discard=_release)
+        lease = await until_disconnect(request, model.pool.acquire(ask, session), discard=_release)
     except BaseException:
         admission.finish(0)
         raise
@@ -312,18 +335,21 @@ class SSEResponse(StreamingResponse):
         gen: Generation,
         keep_alive: float | None,
         refuse: Callable[[GatewayError], Response],
+        primed: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(body, **kwargs)
         self.gen = gen
         self.keep_alive = keep_alive
         self.refuse = refuse
+        self.primed = primed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gen = self.gen
         try:
             try:
-                await until_disconnect(Request(scope, receive), gen.prime(self.keep_alive))
+                if not self.primed:
+                    await until_disconnect(Request(scope, receive), gen.prime(self.keep_alive))
             except GatewayError as e:
                 await gen.close()
                 await self.refuse(e)(scope, receive, send)

@@ -55,6 +55,9 @@ def cpu_binds(settings: Settings, cores: list[int] | None = None) -> tuple[str |
 
 def model_specs(settings: Settings) -> list[ModelSpec]:
     s = settings
+    if s.gateway_only:
+        logger.info("--model none: no local engine; serving the upstream nodes only")
+        return []
     common = dict(
         num_workers=s.num_workers,
         slots_per_worker=s.max_num_seqs,
@@ -138,21 +141,14 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
 
 def upstream_configs(settings: Settings) -> list[UpstreamConfig]:
     s = settings
-    tokenizers = dict(t.split("=", 1) for t in s.upstream_tokenizer)
-    out = []
-    for spec in s.upstream:
-        cfg = parse_upstream(
+    return [
+        parse_upstream(
             spec, connect_timeout=s.upstream_connect_timeout, read_timeout=s.upstream_read_timeout,
             health_interval=s.upstream_health_interval, eject_after=s.upstream_eject_after,
             cooldown=s.upstream_cooldown,
         )
-        if cfg.tokenizer is None and cfg.name in tokenizers:
-            cfg = replace(cfg, tokenizer=tokenizers[cfg.name])
-        out.append(cfg)
-    unknown = set(tokenizers) - {c.name for c in out}
-    if unknown:
-        raise ValueError(f"--upstream-tokenizer names no upstream: {', '.join(sorted(unknown))}")
-    return out
+        for spec in s.upstream
+    ]
 
 
 def build_remote_pools(settings: Settings) -> list[tuple[WorkerPool, tuple[str, ...], str]]:

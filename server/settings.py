@@ -46,7 +46,10 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("info", description="log level")
     # --- models ---
-    model: str | None = Field(None, description="local Hugging Face folder; default: the embedded SmolLM2")
+    model: str | None = Field(
+        None, description="local Hugging Face folder; default: the embedded SmolLM2; 'none': no local engine "
+        "(a gateway tier in front of --upstream nodes)",
+    )
     served_model_name: Entries = Field(default_factory=list, description="names (aliases) the model is served under")
     embedding_model: str | None = Field(
         "embedded", description="embedding model folder, 'embedded' (all-MiniLM-L6-v2) or 'none'"
@@ -135,13 +138,9 @@ class Settings(BaseSettings):
     # --- remote upstreams (the remote backend) ---
     upstream: Entries = Field(
         default_factory=list,
-        description="remote model NAME=URL[,URL...][;option=value...] (repeatable); options: model, tokenizer, "
-        "connect_timeout, read_timeout, health_interval, eject_after, cooldown, max_model_len, api_key_env",
-    )
-    upstream_tokenizer: Entries = Field(
-        default_factory=list,
-        description="NAME=PATH: tokenizer folder of a remote model ('simulated': byte tokenizer; "
-        "default: the embedded model's)",
+        description="remote model NAME=URL[,URL...][;option=value...] (repeatable), passed through to its "
+        "nodes; options: model (the node's model id when it serves several), connect_timeout, read_timeout, "
+        "health_interval, eject_after, cooldown, max_model_len, api_key_env",
     )
     upstream_connect_timeout: float = Field(2.0, gt=0, description="seconds to connect to an upstream")
     upstream_read_timeout: float = Field(
@@ -179,21 +178,12 @@ class Settings(BaseSettings):
     def extra_models(self) -> list[tuple[tuple[str, ...], str]]:
         return [_extra_model(item) for item in self.extra_model]
 
-    def upstream_tokenizers(self) -> dict[str, str]:
-        out = {}
-        for item in self.upstream_tokenizer:
-            e = parse_entry(item, "--upstream-tokenizer", "NAME=PATH", many=False)
-            if not e.items[0]:
-                raise ValueError(f"--upstream-tokenizer {item!r}: expected NAME=PATH")
-            out[e.name] = e.items[0]
-        return out
-
     @field_validator("engine_args", mode="before")
     @classmethod
     def _engine_args(cls, v: Any) -> dict[str, Any]:
         return parse_engine_args(v)
 
-    @field_validator("upstream", "upstream_tokenizer", "alias", "fallback", mode="before")
+    @field_validator("upstream", "alias", "fallback", mode="before")
     @classmethod
     def _entries(cls, v: Any) -> Any:
         from engine_adapter.routing.spec import entries
@@ -208,7 +198,6 @@ class Settings(BaseSettings):
         names = [parse_upstream(u).name for u in self.upstream]
         if len(set(names)) != len(names):
             raise ValueError("an upstream name is given twice")
-        self.upstream_tokenizers()
         route_specs(self.alias, self.fallback)
         return self
 
@@ -228,8 +217,13 @@ class Settings(BaseSettings):
         return tuple(sources)
 
     @property
+    def gateway_only(self) -> bool:
+        """`--model none`: no local engine, only upstream nodes."""
+        return self.model == "none"
+
+    @property
     def embedding_enabled(self) -> bool:
-        return self.embedding_model not in (None, "", "none")
+        return self.embedding_model not in (None, "", "none") and not self.gateway_only
 
 
 def _json_or_str(raw: str) -> Any:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import uvicorn
+from support import free_port, wait_until
 
 from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
 from engine_adapter.pool import WorkerPool
@@ -46,3 +49,25 @@ async def running_app(
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
             client.engines = engines  # type: ignore[attr-defined]
             yield client, app
+
+
+@asynccontextmanager
+async def serve(
+    pools: list[tuple[WorkerPool, tuple[str, ...], str]] | None, settings: Settings | None = None
+) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    """The app on a real uvicorn server on 127.0.0.1 (statuses and bytes as
+    a client sees them on the wire)."""
+    app = create_app(settings or Settings(), pools=pools)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.ensure_future(server.serve())
+    try:
+        await wait_until(lambda: server.started, what="uvicorn to start")
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30, limits=limits) as client:
+            yield client, app
+    finally:
+        server.should_exit = True
+        await task
+
+

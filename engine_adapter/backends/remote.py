@@ -1,62 +1,49 @@
-"""The `remote` backend: an Engine that forwards generation to upstream
-OpenAI-compatible servers (vLLM, MindIE, other npu-gateway nodes) over the
+"""The `remote` backend: upstream nodes (vLLM / vllm-ascend, MindIE, other
+npu-gateways) behind one served name, reached by pass-through over the
 pooled aiohttp session of an `Upstream` (engine_adapter/routing/upstream.py:
-URL balancing, circuit breakers, health checks).
+URL balancing, circuit breakers, health checks, the node's model id).
 
-The gateway tokenizes (a local tokenizer folder; `simulated` for the byte
-tokenizer of simulated upstreams; by default the embedded model's) and sends
-the token ids as the `prompt` of a streamed `/v1/completions` request with
-`stream_options.include_usage`. Deltas carry text; their `token_ids` are
-placeholders (`UNKNOWN_TOKEN`) whose number is right: one per upstream event
-with text (or the logprobs' token count), and the last delta carries the
-difference to the upstream's `usage.completion_tokens`. The events of one
-network read are parsed together and merged into one delta per choice (in the
-order the choices first appear), yielded at the end of that read: a slow
-stream still goes out token by token, a fast one costs one EngineOutput (and
-one pool hand-off) per read instead of per token.
+A request goes upstream as the same endpoint with the same JSON body. The
+gateway changes only what it owns: `model` (the node's own id), the request
+id header, and `stream_options.include_usage` on generation streams (it needs
+the usage for accounting; the usage chunk reaches the client only if it
+asked). The answer comes back as the node sent it: streams are relayed one
+network read at a time, with `model` rewritten to the name the client used
+as a byte-level replace; no token is parsed or re-encoded. No local
+tokenizer or chat template is involved.
 
-A request whose client does not stream (`GenerationRequest.stream` False) is
-one non-streamed upstream call: one JSON body, one EngineOutput per choice
-(token counts from `usage.completion_tokens`, split per choice by the
-logprobs, `max_tokens` for choices cut by length, else by text length). The
-upstream sends nothing before it has finished, so that call waits up to the
-request deadline, not just `read_timeout`.
-
-Errors before the first token (unreachable, timeout, 5xx, every URL ejected)
-are `ServiceUnavailable`, so a router can fall back; upstream 429 is
-`QueueFull`; other 4xx are `InvalidRequest`. After the first token a failure
-is an `EngineError`. `EngineDead` is never raised: the WorkerPool would
-restart this stateless engine in a loop; the breakers track upstream health.
-Cancelling `generate` (client disconnect) closes the upstream connection, so
-the upstream sees the disconnect and aborts too.
-
-The request body, the error mapping and the parsing helpers (no I/O) are in
-engine_adapter/backends/openai_wire.py.
+Bounded failures: `read_timeout` covers the wait for the headers, for the
+first byte and every gap between reads. A client that does not stream is
+served from a streamed upstream call (`aggregate.py` joins the chunks into
+the answer), so a node that stops answering is noticed within
+`read_timeout`, not at the request deadline. Before the first byte reached
+the client, a failing URL is retried once on another healthy URL; a URL
+ejected by the health checks fails the requests waiting on it at once.
+Upstream 4xx are relayed with their status and body (`UpstreamRejected`),
+429 keeps its Retry-After. After the first byte, a failure ends the stream
+with an error event. Cancelling (client disconnect) closes the upstream
+connection, so the node aborts too.
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
 import aiohttp
 import orjson
 
-from engine_adapter.backends.openai_wire import (
-    UNKNOWN_TOKEN,
-    Merged,
-    broken,
-    completion_body,
-    event_error,
-    finish_reason,
-    parse_logprobs,
-    status_error,
-    whole_outputs,
+from engine_adapter.backends.aggregate import aggregate
+from engine_adapter.errors import (
+    EngineError,
+    InvalidRequest,
+    RateLimited,
+    ServiceUnavailable,
+    UpstreamRejected,
 )
-from engine_adapter.errors import EngineError, InvalidRequest, ServiceUnavailable
 from engine_adapter.pool import WorkerPool
 from engine_adapter.routing.upstream import TIMEOUTS, Endpoint, Upstream, UpstreamConfig
 from engine_adapter.types import (
@@ -65,32 +52,43 @@ from engine_adapter.types import (
     EngineStats,
     GenerationRequest,
     ModelCard,
+    RelayCall,
+    RelayUsage,
     Tokenizer,
 )
 
-__all__ = ["UNKNOWN_TOKEN", "RemoteEngine", "build_remote_pool", "completion_body", "is_remote", "load_tokenizer"]
+__all__ = ["Opened", "RemoteEngine", "build_remote_pool", "is_remote"]
+
+# Endpoints whose streams carry tokens (usage is asked for; a non-streaming
+# client is served from a streamed call).
+GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
 
 
 class RemoteEngine:
-    """One Engine over an `Upstream` (shared by the pool's workers)."""
+    """The Engine of a remote pool: one `Upstream`, shared by the pool's
+    workers. It relays (`relay`), it does not generate."""
+
+    relays = True  # readiness is the upstream's health, not a probe generation
 
     def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream
-        self._responses: dict[str, aiohttp.ClientResponse] = {}
+        self._open: dict[str, aiohttp.ClientResponse] = {}
 
     @property
     def card(self) -> ModelCard:
-        return ModelCard(max_model_len=self.upstream.max_model_len, root=self.upstream.cfg.remote_model)
+        return ModelCard(max_model_len=self.upstream.max_model_len, root=self.upstream.cfg.name)
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.upstream.tokenizer
+        raise InvalidRequest(
+            f"model {self.upstream.cfg.name!r} is served by upstream nodes; the gateway holds no tokenizer for it"
+        )
 
     async def start(self) -> None:
         await self.upstream.acquire()
 
     async def stop(self) -> None:
-        for resp in self._responses.values():
+        for resp in list(self._open.values()):
             resp.close()
         await self.upstream.release()
 
@@ -100,22 +98,29 @@ class RemoteEngine:
             raise ServiceUnavailable(f"upstream {self.upstream.cfg.name!r}: every URL is ejected", retry_after=1)
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=len(self._responses))
+        return EngineStats(running=len(self._open), unfinished=len(self._open))
 
     async def abort(self, request_id: str) -> None:
-        resp = self._responses.pop(request_id, None)
+        resp = self._open.pop(request_id, None)
         if resp is not None:
-            resp.close()  # drop the connection: the upstream sees the disconnect
+            resp.close()  # drop the connection: the node sees the disconnect
 
     async def embed(self, req: EmbeddingRequest) -> list[list[float]]:
-        raise InvalidRequest("embeddings are not served through remote upstreams")
+        raise InvalidRequest("embeddings of a remote model are passed through, not computed here")
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, req: GenerationRequest) -> AsyncGenerator[EngineOutput, None]:
+        raise InvalidRequest(f"model {self.upstream.cfg.name!r} is passed through to its nodes")
+        yield  # pragma: no cover  (an async generator)
+
+    # ---- pass-through ----------------------------------------------------
+    async def open(self, call: RelayCall) -> Opened:
+        """Send `call` to a node and wait for its status line: part of
+        admission, so a node that refuses, is unreachable or is ejected
+        meanwhile fails here and a router can move the request on (to
+        another alias target, local or not). A failing URL is retried once
+        on another healthy URL."""
         up = self.upstream
-        if req.sampling.prompt_logprobs is not None:
-            raise InvalidRequest("prompt logprobs (echo with logprobs) are not supported for remote models")
-        payload = orjson.dumps(completion_body(req, up.cfg.remote_model))
-        headers = {"Content-Type": "application/json", "X-Request-Id": req.request_id}
+        generation = call.path in GENERATION_PATHS
         tried: list[Endpoint] = []
         last: ServiceUnavailable | None = None
         while True:
@@ -126,56 +131,50 @@ class RemoteEngine:
                     raise last from None
                 raise
             tried.append(ep)
+            node_model = up.model_for(ep)
+            body = dict(call.body)
+            body["model"] = node_model
+            if generation:
+                body["stream"] = True
+                opts = body.get("stream_options")
+                body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
             ep.outstanding += 1
-            trial = ep.trial
-            resp: aiohttp.ClientResponse | None = None
+            opened = Opened(self, ep, call, node_model)
             try:
-                try:
-                    resp = await self._open(ep, payload, headers, None if req.stream else self._whole_timeout(req))
-                except ServiceUnavailable as e:  # nothing sent yet: one other URL may serve it
-                    if len(tried) < min(2, len(up.endpoints)) and (req.deadline or 1e18) > time.monotonic():
-                        last = e
-                        continue
-                    raise
-                self._responses[req.request_id] = resp
-                if not req.stream:
-                    for out in await self._read_whole(ep, resp, req):
-                        yield out
-                    return
-                async with aclosing(self._read(ep, resp, req)) as stream:
-                    async for out in stream:
-                        yield out
-                return
-            finally:
-                ep.outstanding -= 1
-                if trial:
-                    ep.trial = False
-                self._responses.pop(req.request_id, None)
-                if resp is not None:
-                    resp.close()  # no-op once released; else the upstream sees a disconnect
+                opened.resp = await self._open_on(ep, call, orjson.dumps(body))
+            except ServiceUnavailable as e:  # nothing sent: one other healthy URL may serve it
+                opened.close()
+                if len(tried) < min(2, len(up.endpoints)) and (call.deadline or 1e18) > time.monotonic():
+                    last = e
+                    continue
+                raise
+            except BaseException:
+                opened.close()
+                raise
+            self._open[call.request_id] = opened.resp
+            return opened
 
-    def _whole_timeout(self, req: GenerationRequest) -> aiohttp.ClientTimeout:
-        """A non-streamed call's timeouts: the upstream says nothing until it
-        has generated everything, so `read_timeout` would cut long answers;
-        the request deadline bounds the wait instead (none without one)."""
-        c = self.upstream.cfg
-        wait = None if req.deadline is None else max(c.read_timeout, req.deadline - time.monotonic())
-        return aiohttp.ClientTimeout(total=None, sock_connect=c.connect_timeout, sock_read=wait)
-
-    async def _open(
-        self, ep: Endpoint, payload: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout | None = None
-    ) -> aiohttp.ClientResponse:
+    async def _open_on(self, ep: Endpoint, call: RelayCall, payload: bytes) -> aiohttp.ClientResponse:
+        """POST to `ep`; the response once its headers came, or an error kind.
+        Gives up at once if the health checks eject `ep` meanwhile."""
         up, where = self.upstream, f"{self.upstream.cfg.name!r} ({ep.url})"
-        url = ep.url + "/v1/completions"
+        headers = {"Content-Type": "application/json", "X-Request-Id": call.request_id, **dict(call.headers)}
+        post = asyncio.ensure_future(up.session.post(ep.url + call.path, data=payload, headers=headers))
         try:
-            if timeout is None:
-                resp = await up.session.post(url, data=payload, headers=headers)
-            else:
-                resp = await up.session.post(url, data=payload, headers=headers, timeout=timeout)
+            done, _ = await asyncio.wait((post, ep.ejected), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            post.cancel()
+            raise
+        if post not in done:
+            post.cancel()
+            await asyncio.gather(post, return_exceptions=True)  # aiohttp closes its connection
+            msg = f"upstream {where} was ejected by the health checks while this request waited for it"
+            raise ServiceUnavailable(msg, code="upstream_ejected", retry_after=1)
+        try:
+            resp = post.result()
         except TIMEOUTS:
             up.failed(ep, "timeout")
-            waited = up.cfg.read_timeout if timeout is None else timeout.sock_read
-            msg = f"upstream {where} did not answer within {waited or 0:g}s"
+            msg = f"upstream {where} did not answer within {up.cfg.read_timeout:g}s"
             raise ServiceUnavailable(msg, code="upstream_timeout", retry_after=1) from None
         except aiohttp.ClientError as e:
             up.failed(ep, type(e).__name__)
@@ -189,183 +188,225 @@ class RemoteEngine:
             body = b""
         finally:
             resp.release()
-        if resp.status >= 500 or resp.status in (401, 403, 404, 408):
-            up.failed(ep, f"HTTP {resp.status}")
-        raise status_error(resp.status, body, where)
+        msg = f"upstream {where} answered {resp.status}"
+        if resp.status == 429:
+            retry = resp.headers.get("Retry-After")
+            raise RateLimited(f"{msg}: {_message(body)}", code="upstream_rate_limited",
+                              retry_after=_seconds(retry), headers={})
+        if 400 <= resp.status < 500 and resp.status not in (401, 403, 408):
+            raise UpstreamRejected(f"{msg}: {_message(body)}", status=resp.status, body=body,
+                                   content_type=resp.headers.get("Content-Type", "application/json"))
+        up.failed(ep, f"HTTP {resp.status}")
+        raise ServiceUnavailable(f"{msg}: {_message(body)}", code="upstream_error", retry_after=1)
 
-    async def _read(
-        self, ep: Endpoint, resp: aiohttp.ClientResponse, req: GenerationRequest
-    ) -> AsyncGenerator[EngineOutput, None]:
-        """Parse the SSE stream, one network read at a time: the deltas of a
-        read are merged per choice and yielded at its end. Finished choices
-        are held back until the stream ends, so the last delta can carry the
-        exact token count from the usage event."""
+    async def _stream(
+        self, ep: Endpoint, resp: aiohttp.ClientResponse, rewrite: _Rewrite, *, want_usage: bool
+    ) -> AsyncGenerator[bytes | RelayUsage, None]:
+        """Relay the node's SSE stream one read at a time. An event cut by a
+        read waits for its end (so `model` is rewritten whole and the usage
+        event can be taken out); nothing else is parsed."""
         up, where = self.upstream, f"{self.upstream.cfg.name!r} ({ep.url})"
-        plen, rid = len(req.prompt_token_ids), req.request_id
-        pending: list[EngineOutput] = []
-        acc: dict[int, EngineOutput] = {}  # this read's unfinished deltas, one per choice
-        more: dict[int, Merged] | None = None  # the choices with several deltas in this read
-        counted, sent, done = 0, False, False
-        usage: dict[str, Any] | None = None
         buf = b""
-        loads = orjson.loads
+        sent = done = False
+        usage: RelayUsage | None = None
         try:
             async for chunk in resp.content.iter_any():
-                if buf:
-                    chunk = buf + chunk
-                lines = chunk.split(b"\n")
-                buf = lines.pop()
-                if not lines:
-                    continue  # no whole line yet
-                acc, more = {}, None
-                datas = []  # blank separators and ": keep-alive" comments drop out
-                for line in lines:
-                    if line[:5] == b"data:":
-                        datas.append(line[5:])  # JSON allows the spaces around
-                if not datas:
+                data = buf + chunk if buf else chunk
+                cut = data.rfind(b"\n\n")
+                if cut < 0:
+                    buf = data
                     continue
-                if datas[-1].strip() == b"[DONE]":
+                buf = data[cut + 2:]
+                whole = data[: cut + 2]
+                if b'"usage":{' in whole or b'"usage": {' in whole:
+                    whole, usage = _take_usage(whole, want_usage, usage)
+                if b"data: [DONE]" in whole:
                     done = True
-                    datas.pop()
-                # one parse per read (an array of the events), not one per event
-                events = (loads(datas[0]),) if len(datas) == 1 else loads(b"[" + b",".join(datas) + b"]")
-                for event in events:
-                    if event.get("error"):
-                        raise event_error(event, where, sent)
-                    for c in event.get("choices") or ():
-                        text = c.get("text") or ""
-                        raw = c.get("logprobs")
-                        lps = parse_logprobs(raw) if raw else None
-                        ntok = len(lps) if lps is not None else (1 if text else 0)
-                        counted += ntok
-                        index = int(c.get("index") or 0)
-                        reason = c.get("finish_reason")
-                        if reason is not None:
-                            pending.append(EngineOutput(
-                                request_id=rid, index=index, text=text, token_ids=(UNKNOWN_TOKEN,) * ntok,
-                                logprobs=lps, prompt_tokens=plen, finish_reason=finish_reason(reason),
-                                stop_reason=c.get("stop_reason"),
-                            ))
-                        elif text or lps:
-                            out = acc.get(index)
-                            if out is None:
-                                # positional: half the cost of keywords (request_id, index, text,
-                                # token_ids, logprobs, finish_reason, stop_reason, prompt_tokens)
-                                ids = (UNKNOWN_TOKEN,) * ntok
-                                acc[index] = EngineOutput(rid, index, text, ids, lps, None, None, plen)
-                            else:  # merged at the end of the read
-                                if more is None:
-                                    more = {}
-                                m = more.get(index)
-                                if m is None:
-                                    more[index] = m = Merged(out)
-                                m.add(text, ntok, lps)
-                    usage = event.get("usage") or usage
-                if more:
-                    for m in more.values():
-                        m.apply()
-                if done:
-                    break  # this read's deltas go out with the finished choices
-                if acc:
+                if whole:
                     sent = True
-                    for out in acc.values():
-                        yield out
+                    yield rewrite(whole)
         except TIMEOUTS:
             up.failed(ep, "read timeout")
-            err = f"upstream {where} sent nothing for {up.cfg.read_timeout:g}s"
-            raise broken(err, sent, "upstream_timeout") from None
+            raise _broken(f"upstream {where} sent nothing for {up.cfg.read_timeout:g}s", sent,
+                          "upstream_timeout") from None
         except aiohttp.ClientError as e:
             up.failed(ep, type(e).__name__)
-            err = f"upstream {where} closed the stream mid-response ({type(e).__name__})"
-            raise broken(err, sent, "upstream_disconnected") from None
-        except (ValueError, TypeError, AttributeError):
-            up.failed(ep, "malformed event")
-            raise EngineError(f"upstream {where} sent a malformed event", code="upstream_error") from None
-        if len({o.index for o in pending}) < req.sampling.n:
+            raise _broken(f"upstream {where} closed the stream mid-response ({type(e).__name__})", sent,
+                          "upstream_disconnected") from None
+        if not done:
             up.failed(ep, "stream cut short")
-            err = f"upstream {where} ended the stream before every choice finished"
-            raise broken(err, sent, "upstream_disconnected")
+            raise _broken(f"upstream {where} ended the stream without [DONE]", sent, "upstream_disconnected")
         resp.release()
         up.succeeded(ep)
-        if done and acc:  # deltas of the last read: in front of their choice's finishing delta
-            for fin in pending:
-                out = acc.pop(fin.index, None)
-                if out is not None:
-                    m = Merged(out)
-                    m.add(fin.text, len(fin.token_ids), fin.logprobs)
-                    m.apply(fin)
         if usage is not None:
-            last = pending[-1]
-            missing = int(usage.get("completion_tokens") or 0) - counted
-            if missing > 0:
-                last.token_ids = (*last.token_ids, *(UNKNOWN_TOKEN,) * missing)
-            details = usage.get("prompt_tokens_details") or {}
-            last.cached_tokens = int(details.get("cached_tokens") or 0)
-        if done:
-            for out in acc.values():
-                yield out
-        for out in pending:
-            yield out
+            yield usage
 
-    async def _read_whole(
-        self, ep: Endpoint, resp: aiohttp.ClientResponse, req: GenerationRequest
-    ) -> list[EngineOutput]:
-        """A non-streamed answer: one EngineOutput per choice."""
+    async def _joined(
+        self, ep: Endpoint, resp: aiohttp.ClientResponse, path: str, rewrite: _Rewrite
+    ) -> AsyncGenerator[bytes | RelayUsage, None]:
+        """A streamed call joined into the non-streamed answer."""
+        events: list[dict[str, Any]] = []
+        async for item in self._stream(ep, resp, _Rewrite("", ""), want_usage=True):
+            if isinstance(item, RelayUsage):
+                continue
+            for line in item.split(b"\n"):
+                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                    try:
+                        events.append(orjson.loads(line[5:]))
+                    except ValueError:
+                        raise EngineError(f"upstream {self.upstream.cfg.name!r} sent a malformed event",
+                                          code="upstream_error") from None
+        for event in events:
+            if event.get("error"):
+                err = event["error"]
+                msg = err.get("message") if isinstance(err, dict) else err
+                raise EngineError(f"upstream {self.upstream.cfg.name!r}: {msg}", code="upstream_error")
+        answer = aggregate(path, events)
+        yield rewrite(orjson.dumps(answer))
+        usage = RelayUsage.from_dict(answer.get("usage"))
+        if usage is not None:
+            yield usage
+
+    async def _whole(
+        self, ep: Endpoint, resp: aiohttp.ClientResponse, rewrite: _Rewrite
+    ) -> AsyncGenerator[bytes | RelayUsage, None]:
+        """A non-generation answer (embeddings, tokenize): the body as sent."""
         up, where = self.upstream, f"{self.upstream.cfg.name!r} ({ep.url})"
         try:
             body = await resp.read()
         except TIMEOUTS:
             up.failed(ep, "read timeout")
-            err = f"upstream {where} did not finish sending its answer in time"
-            raise broken(err, False, "upstream_timeout") from None
+            raise _broken(f"upstream {where} did not finish its answer in time", False, "upstream_timeout") from None
         except aiohttp.ClientError as e:
             up.failed(ep, type(e).__name__)
-            err = f"upstream {where} closed the connection mid-response ({type(e).__name__})"
-            raise broken(err, False, "upstream_disconnected") from None
-        try:
-            answer = orjson.loads(body)
-            if answer.get("error"):
-                raise event_error(answer, where, False)
-            outs = whole_outputs(answer, req, self.upstream.tokenizer)
-        except (ValueError, TypeError, AttributeError, KeyError):
-            up.failed(ep, "malformed answer")
-            raise EngineError(f"upstream {where} sent a malformed answer", code="upstream_error") from None
-        if len({o.index for o in outs}) < req.sampling.n:
-            up.failed(ep, "choices missing")
-            err = f"upstream {where} answered {len(outs)} of {req.sampling.n} choices"
-            raise broken(err, False, "upstream_error")
+            raise _broken(f"upstream {where} closed the connection mid-answer", False,
+                          "upstream_disconnected") from None
         resp.release()
         up.succeeded(ep)
-        return outs
+        yield rewrite(body)
+        try:
+            usage = RelayUsage.from_dict(orjson.loads(body).get("usage"))
+        except (ValueError, AttributeError):
+            usage = None
+        if usage is not None:
+            yield usage
 
 
-def load_tokenizer(spec: str | None) -> Tokenizer:
-    """`simulated`: the byte tokenizer; a folder; None: the embedded model's."""
-    if spec in ("simulated", "byte"):
-        from engine_adapter.backends.simulated import ByteTokenizer
+class Opened:
+    """A request a node has accepted (its status line came): `items()`
+    relays its answer, `close()` drops it (the node sees the disconnect)."""
 
-        return ByteTokenizer()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
+    __slots__ = ("_done", "call", "ep", "node_model", "remote", "resp", "trial")
 
-    from engine_adapter.backends.vllm import HfTokenizer
-    from engine_adapter.model import prepare_embedded_model
+    def __init__(self, remote: RemoteEngine, ep: Endpoint, call: RelayCall, node_model: str) -> None:
+        self.remote = remote
+        self.ep = ep
+        self.call = call
+        self.node_model = node_model
+        self.trial = ep.trial
+        self.resp: aiohttp.ClientResponse | None = None
+        self._done = False
 
-    path = spec or str(prepare_embedded_model(progress=False))
-    return HfTokenizer(AutoTokenizer.from_pretrained(path))
+    async def items(self) -> AsyncGenerator[bytes | RelayUsage, None]:
+        """The bytes to send to the client (one item per network read for a
+        stream; the whole body otherwise), then the usage, if the node gave
+        one. `model` reads as the served name the call carries."""
+        call, remote, resp = self.call, self.remote, self.resp
+        assert resp is not None
+        rewrite = _Rewrite(self.node_model, call.model)
+        try:
+            if call.path not in GENERATION_PATHS:
+                items = remote._whole(self.ep, resp, rewrite)
+            elif call.stream:
+                items = remote._stream(self.ep, resp, rewrite, want_usage=call.want_usage)
+            else:  # a non-streaming client of a generation endpoint
+                items = remote._joined(self.ep, resp, call.path, rewrite)
+            async with aclosing(items) as it:
+                async for item in it:
+                    yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.ep.outstanding -= 1
+        if self.trial:
+            self.ep.trial = False
+        self.remote._open.pop(self.call.request_id, None)
+        if self.resp is not None:
+            self.resp.close()  # no-op once released; else the node sees a disconnect
 
 
-def build_remote_pool(cfg: UpstreamConfig, tokenizer: Tokenizer | None = None, **pool_kw: Any) -> WorkerPool:
-    """A one-worker WorkerPool (queue, admission) whose engine is the upstream;
-    `slots_per_worker` bounds the requests in flight to it."""
-    up = Upstream(cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer))
+class _Rewrite:
+    """`"model":"<node id>"` -> `"model":"<name the client used>"`, bytes in,
+    bytes out (both JSON spellings: with and without a space)."""
+
+    __slots__ = ("_pairs",)
+
+    def __init__(self, node_model: str, served_as: str) -> None:
+        self._pairs: tuple[tuple[bytes, bytes], ...] = ()
+        if node_model and served_as and node_model != served_as:
+            old, new = orjson.dumps(node_model), orjson.dumps(served_as)
+            self._pairs = ((b'"model":' + old, b'"model":' + new), (b'"model": ' + old, b'"model": ' + new))
+
+    def __call__(self, data: bytes) -> bytes:
+        for old, new in self._pairs:
+            if old in data:
+                data = data.replace(old, new)
+        return data
+
+
+def _take_usage(events: bytes, keep: bool, usage: RelayUsage | None) -> tuple[bytes, RelayUsage | None]:
+    """Read the usage out of the complete events in `events`; drop the
+    usage-only event unless the client asked for it."""
+    kept: list[bytes] = []
+    for event in events.split(b"\n\n"):
+        if not event:
+            continue
+        if b'"usage"' in event and event.startswith(b"data:"):
+            try:
+                obj = orjson.loads(event[5:])
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict):
+                usage = RelayUsage.from_dict(obj.get("usage")) or usage
+                if not keep and not obj.get("choices"):
+                    continue
+        kept.append(event + b"\n\n")
+    return b"".join(kept), usage
+
+
+def _broken(msg: str, sent: bool, code: str) -> EngineError | ServiceUnavailable:
+    """A stream that broke: retryable before the first byte, not after."""
+    if sent:
+        return EngineError(msg, code=code)
+    return ServiceUnavailable(msg, code=code, retry_after=1)
+
+
+def _message(body: bytes) -> str:
+    try:
+        err = orjson.loads(body).get("error")
+        return str(err.get("message") if isinstance(err, dict) else err)
+    except (ValueError, AttributeError):
+        return body[:200].decode("utf-8", "replace") or "no body"
+
+
+def _seconds(value: str | None) -> float:
+    try:
+        return max(1.0, float(value)) if value else 1.0
+    except ValueError:
+        return 1.0
+
+
+def build_remote_pool(cfg: UpstreamConfig, **pool_kw: Any) -> WorkerPool:
+    """A one-worker WorkerPool (queue, admission) whose engine is the
+    upstream; `slots_per_worker` bounds the requests in flight to it."""
+    up = Upstream(cfg)
     return WorkerPool(cfg.name, lambda i: RemoteEngine(up), num_workers=1, **pool_kw)
 
 
-
-
-
-def is_remote(pool: WorkerPool) -> bool:
-    """Whether the pool's engines are upstreams (for /ready: a dead upstream
-    must not take the whole gateway out of its load balancer)."""
-    return any(isinstance(w.engine, RemoteEngine) for w in pool.workers)
+def is_remote(pool: object) -> bool:
+    """Whether the pool's engines are upstream nodes."""
+    return any(getattr(w.engine, "relays", False) for w in getattr(pool, "workers", ()))

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from engine_adapter.errors import GatewayError, ServiceUnavailable, fallback_reason, target_failed
-from engine_adapter.lease import Lease, Tagged
+from engine_adapter.lease import Ask, Lease, Relayed, Request, Tagged
 from engine_adapter.routing.metrics import RoutingMetrics
 from engine_adapter.routing.spec import CanaryPolicy, RouteSpec
 from engine_adapter.types import Embedded, EmbeddingRequest, EngineStats, GenerationRequest, ModelCard, Tokenizer
@@ -56,7 +56,12 @@ class ServedPool(Protocol):
     @property
     def queue_depth(self) -> int: ...
 
-    async def acquire(self, reqs: Sequence[GenerationRequest], session: str | None = None) -> Lease: ...
+    @property
+    def relays(self) -> bool: ...
+
+    async def acquire(
+        self, ask: Ask | Sequence[GenerationRequest], session: str | None = None, model: str | None = None
+    ) -> Lease: ...
 
     async def embed(self, req: EmbeddingRequest, session: str | None = None) -> Embedded: ...
 
@@ -156,7 +161,15 @@ class Router:
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.primary.pool.tokenizer
+        """The primary's, else the first local target's (upstream nodes
+        hold theirs)."""
+        pools = [self.primary.pool, *self._all_pools()]
+        return next((p for p in pools if not p.relays), self.primary.pool).tokenizer
+
+    @property
+    def relays(self) -> bool:
+        """Every target is upstream nodes: requests are passed through."""
+        return all(p.relays for p in self._all_pools())
 
     @property
     def running(self) -> int:
@@ -206,22 +219,23 @@ class Router:
         return out
 
     # ---- requests -----------------------------------------------------------
-    async def acquire(self, reqs: Sequence[GenerationRequest], session: str | None = None) -> RouterLease:
+    async def acquire(
+        self, ask: Ask | Sequence[GenerationRequest], session: str | None = None, model: str | None = None
+    ) -> RouterLease:
         """Admission on the first target of the chain that has room."""
         chain = self.chain(session)
-        i, inner = await self._admit(chain, 0, reqs)
-        return RouterLease(self, chain, i, inner, reqs)
+        i, inner = await self._admit(chain, 0, ask)
+        return RouterLease(self, chain, i, inner, ask)
 
     async def _admit(
-        self, chain: list[tuple[str, ServedPool, Target | None]], start: int, reqs: Sequence[GenerationRequest]
+        self, chain: list[tuple[str, ServedPool, Target | None]], start: int, ask: Ask | Sequence[GenerationRequest]
     ) -> tuple[int, Lease]:
-        deadline = min((r.deadline for r in reqs if r.deadline is not None), default=math.inf)
         for i in range(start, len(chain)):
             name, pool, _ = chain[i]
             try:
-                return i, await pool.acquire([replace(r, model=name) for r in reqs])
+                return i, await pool.acquire(ask, model=name)
             except GatewayError as e:
-                self._failed(chain, i, e, deadline, ttft=None)
+                self._failed(chain, i, e, math.inf, ttft=None)
         raise AssertionError("unreachable: the last target raises")
 
     def _failed(
@@ -313,11 +327,12 @@ class Router:
 
 class RouterLease:
     """A lease on one target of an alias. If that target fails before the
-    first token, the stream moves on to the next target of the chain that
-    admits the request (the response has begun by then; `served_by` names
-    the target now answering)."""
+    first token (or byte, for upstream nodes), the lease moves on to the
+    next target of the chain that admits the request; the HTTP layer waits
+    for that first output before its status line, so `served_by` names the
+    target that answers."""
 
-    __slots__ = ("_chain", "_i", "_inner", "_router", "requests")
+    __slots__ = ("_ask", "_chain", "_i", "_inner", "_router")
 
     def __init__(
         self,
@@ -325,21 +340,31 @@ class RouterLease:
         chain: list[tuple[str, ServedPool, Target | None]],
         i: int,
         inner: Lease,
-        reqs: Sequence[GenerationRequest],
+        ask: Ask | Sequence[GenerationRequest],
     ) -> None:
         self._router = router
         self._chain = chain
         self._i = i
         self._inner = inner
-        self.requests = reqs
+        self._ask = ask
 
     @property
     def served_by(self) -> str:
         return self._chain[self._i][0]
 
+    @property
+    def requests(self) -> Sequence[Request]:
+        return self._inner.requests
+
+    @property
+    def relayed(self) -> bool:
+        return self._inner.relayed
+
+    def _deadline(self) -> float:
+        return min((r.deadline for r in self._inner.requests if r.deadline is not None), default=math.inf)
+
     async def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]:
         router = self._router
-        deadline = min((r.deadline for r in self.requests if r.deadline is not None), default=math.inf)
         while True:
             name, _, target = self._chain[self._i]
             start = time.monotonic()
@@ -353,8 +378,10 @@ class RouterLease:
                         yield tag, batch
             except GatewayError as e:
                 inner.release()
-                router._failed(self._chain, self._i, e, deadline, ttft)  # raises unless it may move on
-                self._i, self._inner = await router._admit(self._chain, self._i + 1, self.requests)
+                router._failed(self._chain, self._i, e, self._deadline(), ttft)  # raises unless it may move on
+                self._i, self._inner = await router._admit(self._chain, self._i + 1, self._ask)
+                if self._inner.relayed:
+                    raise e from None  # a stream cannot turn into a relay midway
                 continue
             except BaseException:
                 inner.release()
@@ -362,6 +389,34 @@ class RouterLease:
                 raise
             inner.release()
             router._record(target, name, "ok", False, ttft)
+            return
+
+    async def relay(self) -> AsyncGenerator[Relayed, None]:
+        router = self._router
+        while True:
+            name, _, target = self._chain[self._i]
+            start = time.monotonic()
+            ttfb: float | None = None
+            inner = self._inner
+            try:
+                async with aclosing(inner.relay()) as items:
+                    async for item in items:
+                        if ttfb is None and isinstance(item, bytes):
+                            ttfb = time.monotonic() - start
+                        yield item
+            except GatewayError as e:
+                inner.release()
+                router._failed(self._chain, self._i, e, self._deadline(), ttfb)  # raises unless it may move on
+                self._i, self._inner = await router._admit(self._chain, self._i + 1, self._ask)
+                if not self._inner.relayed:
+                    raise e from None  # a relay cannot turn into a local stream midway
+                continue
+            except BaseException:
+                inner.release()
+                router._record(target, name, "cancelled", None, None)
+                raise
+            inner.release()
+            router._record(target, name, "ok", False, ttfb)
             return
 
     def release(self) -> None:

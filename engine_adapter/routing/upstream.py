@@ -7,7 +7,12 @@ requests, each guarded by a circuit breaker (passive) and health checks
   breaker, its failure opens it again.
 - Health checks: `GET /health` and `GET /v1/models` every `health_interval`;
   `eject_after` failed checks in a row eject the URL, one good check brings it
-  back. The check also learns the upstream's `max_model_len`.
+  back. Requests still waiting on an ejected URL for their first byte are
+  failed at once (`Endpoint.ejected`), so a router or a retry can move them.
+- Model ids: the check learns the node's own model id from `/v1/models`
+  (the one model it serves, or `;model=ID` among several) and its
+  `max_model_len`. A node that does not serve the expected model is named
+  in the log and in `/admin/routes`, with what it does serve.
 
 An `Upstream` owns one aiohttp `ClientSession` (a pooled `TCPConnector`, no
 global connection limit: the WorkerPool in front bounds concurrency) shared by
@@ -22,7 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
@@ -30,7 +35,6 @@ import orjson
 
 from engine_adapter.entry import parse_entry
 from engine_adapter.errors import GatewayError, ServiceUnavailable
-from engine_adapter.types import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +46,7 @@ BreakerState = Literal["closed", "open", "half_open"]
 class UpstreamConfig:
     name: str  # the served name here
     urls: tuple[str, ...]
-    model: str | None = None  # the model id sent upstream; default: name
-    tokenizer: str | None = None  # folder, "simulated", or None: embedded model
+    model: str | None = None  # the node's model id; default: learned from its /v1/models
     connect_timeout: float = 2.0
     read_timeout: float = 30.0  # longest silence: to the headers, between chunks
     health_interval: float = 5.0
@@ -52,16 +55,13 @@ class UpstreamConfig:
     max_model_len: int | None = None  # default: the upstream's /v1/models
     api_key_env: str | None = None  # environment variable holding the upstream key
 
-    @property
-    def remote_model(self) -> str:
-        return self.model or self.name
 
 
 _NUMBERS: dict[str, Callable[[str], float | int]] = {
     "connect_timeout": float, "read_timeout": float, "health_interval": float,
     "cooldown": float, "eject_after": int, "max_model_len": int,
 }
-_TEXTS = ("model", "tokenizer", "api_key_env")
+_TEXTS = ("model", "api_key_env")
 
 
 def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:
@@ -93,6 +93,9 @@ class Endpoint:
     opened_at: float = 0.0
     trial: bool = False  # a half-open trial request is in flight
     healthy: bool = True  # the active health checks' verdict
+    model_id: str | None = None  # the node's model id, from its /v1/models
+    serves: tuple[str, ...] = ()  # every model id the node listed
+    ejected: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     check_failures: int = 0
     ejections: int = 0
     last_error: str | None = None
@@ -114,10 +117,9 @@ class _CheckFailed(Exception):
 class Upstream:
     """The URLs, breakers, health checks and HTTP session of one upstream."""
 
-    def __init__(self, cfg: UpstreamConfig, tokenizer: Tokenizer) -> None:
+    def __init__(self, cfg: UpstreamConfig) -> None:
         self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.endpoints = [Endpoint(u) for u in cfg.urls]
+        self.endpoints: list[Endpoint] = []
         self.max_model_len = cfg.max_model_len or 4096
         self._session: aiohttp.ClientSession | None = None
         self._users = 0
@@ -130,11 +132,17 @@ class Upstream:
         self._users += 1
         if self._session is None:
             c = self.cfg
+            if not self.endpoints:  # futures need the running loop
+                self.endpoints = [Endpoint(u) for u in c.urls]
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=c.connect_timeout, sock_read=c.read_timeout),
                 headers=self._headers,
             )
+            # the first round of checks decides at once (a node that is down
+            # at start is not tried first) and names each node's model id
+            first = [self._check(ep, first=True) for ep in self.endpoints]
+            await asyncio.wait([asyncio.ensure_future(f) for f in first], timeout=c.connect_timeout + 0.5)
             self._health = asyncio.ensure_future(self._health_loop())
 
     async def release(self) -> None:
@@ -156,6 +164,8 @@ class Upstream:
     def pick(self, exclude: Collection[Endpoint] = ()) -> Endpoint:
         """The usable URL with the fewest requests in flight (round robin on ties)."""
         now, n, cd = time.monotonic(), len(self.endpoints), self.cfg.cooldown
+        if not n:
+            raise ServiceUnavailable(f"upstream {self.cfg.name!r} is not started", retry_after=1)
         self._next = (self._next + 1) % n
         best: Endpoint | None = None
         for k in range(n):
@@ -171,6 +181,22 @@ class Upstream:
             best.state, best.trial = "half_open", True
         return best
 
+    def model_for(self, ep: Endpoint) -> str:
+        """The model id to send to `ep`: `;model=ID`, else what its
+        /v1/models said, else the served name."""
+        return self.cfg.model or ep.model_id or self.cfg.name
+
+    def describe(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [
+            {
+                "url": ep.url, "model": self.model_for(ep), "serves": list(ep.serves), "healthy": ep.healthy,
+                "breaker": ep.state_at(now, self.cfg.cooldown), "outstanding": ep.outstanding,
+                "last_error": ep.last_error,
+            }
+            for ep in self.endpoints
+        ]
+
     def succeeded(self, ep: Endpoint) -> None:
         ep.failures = 0
         if ep.state != "closed":
@@ -183,6 +209,7 @@ class Upstream:
         if ep.state == "half_open" or (ep.state == "closed" and ep.failures >= self.cfg.eject_after):
             ep.state, ep.opened_at = "open", time.monotonic()
             ep.ejections += 1
+            _eject(ep)
             logger.warning(
                 "upstream %s %s: breaker open for %.0fs after %d failures (%s)",
                 self.cfg.name, ep.url, self.cfg.cooldown, ep.failures, why,
@@ -190,11 +217,13 @@ class Upstream:
 
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(self._check(ep) for ep in self.endpoints))
             await asyncio.sleep(self.cfg.health_interval)
+            await asyncio.gather(*(self._check(ep) for ep in self.endpoints))
 
-    async def _check(self, ep: Endpoint) -> None:
-        timeout = aiohttp.ClientTimeout(total=min(self.cfg.health_interval, self.cfg.read_timeout))
+    async def _check(self, ep: Endpoint, first: bool = False) -> None:
+        c = self.cfg
+        limit = min(c.health_interval, c.read_timeout, c.connect_timeout if first else c.read_timeout)
+        timeout = aiohttp.ClientTimeout(total=limit)
         try:
             async with self.session.get(ep.url + "/health", timeout=timeout) as r:
                 if r.status != 200:
@@ -203,25 +232,52 @@ class Upstream:
                 if r.status != 200:
                     raise _CheckFailed(f"/v1/models answered {r.status}")
                 data = orjson.loads(await r.read())
-            card = next((m for m in data.get("data", ()) if m.get("id") == self.cfg.remote_model), None)
-            if card is None:
-                raise _CheckFailed(f"does not serve {self.cfg.remote_model!r}")
+            cards = [m for m in data.get("data", ()) if isinstance(m, dict) and m.get("id")]
+            ep.serves = tuple(str(m["id"]) for m in cards)
+            card = self._pick_model(cards)
+            ep.model_id = str(card["id"])
             if self.cfg.max_model_len is None and isinstance(card.get("max_model_len"), int):
                 self.max_model_len = card["max_model_len"]
         except (aiohttp.ClientError, *TIMEOUTS, ValueError, AttributeError, _CheckFailed, GatewayError) as e:
+            why = str(e) or type(e).__name__
             ep.check_failures += 1
-            if ep.healthy and ep.check_failures >= self.cfg.eject_after:
+            ep.last_error = why
+            if first:
+                logger.warning("upstream %s %s: %s", self.cfg.name, ep.url, why)
+            if ep.healthy and (first or ep.check_failures >= self.cfg.eject_after):
                 ep.healthy = False
                 ep.ejections += 1
-                why = str(e) or type(e).__name__
+                _eject(ep)
                 logger.warning("upstream %s %s: ejected by health checks: %s", self.cfg.name, ep.url, why)
             return
+        if first:
+            logger.info("upstream %s %s: serves model %r", self.cfg.name, ep.url, ep.model_id)
         ep.check_failures = 0
+        if ep.last_error is not None and ep.last_error.startswith(("does not serve", "serves several")):
+            ep.last_error = None
         if not ep.healthy:
             ep.healthy = True
+            ep.ejected = asyncio.get_running_loop().create_future()
             logger.info("upstream %s %s: health checks pass again", self.cfg.name, ep.url)
 
+    def _pick_model(self, cards: list[dict[str, Any]]) -> dict[str, Any]:
+        ids = [str(m["id"]) for m in cards]
+        if self.cfg.model is not None:
+            for m in cards:
+                if m["id"] == self.cfg.model:
+                    return m
+            raise _CheckFailed(f"does not serve {self.cfg.model!r} (it serves {', '.join(ids) or 'nothing'})")
+        if len(cards) == 1:
+            return cards[0]
+        if not cards:
+            raise _CheckFailed("does not serve any model (/v1/models is empty)")
+        raise _CheckFailed(f"serves several models ({', '.join(ids)}): pick one with ;model=ID")
 
+
+def _eject(ep: Endpoint) -> None:
+    """Fail the requests waiting on `ep` for their first byte."""
+    if not ep.ejected.done():
+        ep.ejected.set_result(None)
 
 
 def upstreams_of(pools: Iterable[Any]) -> list[Upstream]:

@@ -9,15 +9,19 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from engine_adapter.types import EngineOutput
+from engine_adapter.types import EngineOutput, GenerationRequest
 from server import sse
+from server.ask import RouteAsk
+from server.auth import Principal
 from server.deps import AuthDep, GatewayDep
-from server.generation import Generation, Key, admit, json_response, session_of, stream_response
+from server.generation import Generation, Key, admit, forwarded, json_response, session_of, stream_response
 from server.protocol import ChatCompletionRequest
+from server.relay import relay_response
 from server.render import Choice, chat_logprobs, finish
 from server.routes.docs import JSON_OR_SSE
+from server.state import Gateway
 from server.tools import ToolPlan, plan_tools
-from server.validation import build_chat_request, chat_prompt, new_id, structured_from
+from server.validation import build_chat_request, chat_prompt, deadline_after, new_id, structured_from
 
 logger = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
@@ -31,29 +35,60 @@ async def create_chat_completion(
         logger.debug("ignoring unknown fields: %s", ", ".join(body.unknown_fields()))
     model = gw.resolve(body.model)
     principal.check_model(model.id)
-    pool = model.pool
-    plan = plan_tools(body, pool.tokenizer)
-    structured = plan.structured or structured_from(body.response_format, body)
-    prompt, ids = chat_prompt(body, pool.tokenizer, plan.template_tools, plan.chat_template)
-    req = build_chat_request(
-        body,
-        request_id=new_id("chatcmpl"),
-        model=model.id,
-        prompt=prompt,
-        prompt_ids=ids,
-        card=pool.card,
-        max_n=gw.settings.max_n,
-        timeout=gw.settings.request_timeout,
-        structured=structured,
-        api_key_name=principal.name,
+    ask = ChatAsk(
+        body, gw, principal, await request.body(), request_id=new_id("chatcmpl"), stream=body.stream,
+        want_usage=bool(body.stream_options and body.stream_options.include_usage),
         priority=principal.priority_for(body.priority, "priority" in body.model_fields_set),
-        vocab_hint=pool.tokenizer.vocab_size,
+        deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name,
+        forward=forwarded(request),
+        max_tokens=body.max_completion_tokens or body.max_tokens, n=body.n,
     )
-    gen = await admit(request, gw, principal, model, [req], session_of(request, body.user))
+    if not model.pool.relays:
+        ask.local(model.pool, model.id)  # a bad request is a 400 before admission
+    gen = await admit(request, gw, principal, model, ask, session_of(request, body.user))
+    if gen.relayed:
+        return await relay_response(request, gen)
+    plan = ask.plan
     if body.stream:
-        chunks = _Chunks(gen, plan, body.logprobs, bool(body.stream_options and body.stream_options.include_usage))
+        chunks = _Chunks(gen, plan, body.logprobs, ask.want_usage)
         return stream_response(gen, chunks.render, chunks.tail, gw.settings.sse_keep_alive_interval)
     return await json_response(request, gen, lambda choices: _answer(gen, plan, body.logprobs, choices))
+
+
+class ChatAsk(RouteAsk):
+    """A chat request for a local engine: tools planned, the chat template
+    rendered and tokenized with that engine's tokenizer."""
+
+    path = "/v1/chat/completions"
+
+    def __init__(self, body: ChatCompletionRequest, gw: Gateway, principal: Principal, raw: bytes, **kw: Any) -> None:
+        super().__init__(raw, **kw)
+        self.body = body
+        self.gw = gw
+        self.principal = principal
+        self.plan = ToolPlan()
+
+    def build(self, pool: Any) -> list[GenerationRequest]:
+        body = self.body
+        plan = self.plan = plan_tools(body, pool.tokenizer)
+        structured = plan.structured or structured_from(body.response_format, body)
+        prompt, ids = chat_prompt(body, pool.tokenizer, plan.template_tools, plan.chat_template)
+        return [
+            build_chat_request(
+                body,
+                request_id=self.request_id,
+                model=pool.name,
+                prompt=prompt,
+                prompt_ids=ids,
+                card=pool.card,
+                max_n=self.gw.settings.max_n,
+                timeout=self.gw.settings.request_timeout,
+                structured=structured,
+                api_key_name=self.api_key_name,
+                priority=self.priority,
+                vocab_hint=pool.tokenizer.vocab_size,
+            )
+        ]
 
 
 def _answer(gen: Generation, plan: ToolPlan, want_logprobs: bool, choices: dict[Key, Choice]) -> dict[str, Any]:

@@ -11,13 +11,15 @@ from starlette.responses import Response
 
 from engine_adapter.types import EngineOutput, GenerationRequest
 from server import sse
+from server.ask import RouteAsk
 from server.deps import AuthDep, GatewayDep
-from server.generation import Generation, Key, admit, json_response, session_of, stream_response
+from server.generation import Generation, Key, admit, forwarded, json_response, session_of, stream_response
 from server.protocol import CompletionRequest
+from server.relay import relay_response
 from server.render import Choice, CompletionLogprobs, finish
 from server.routes.docs import JSON_OR_SSE
-from server.state import ServedModel
-from server.validation import build_completion_request, completion_prompts, new_id
+from server.state import Gateway, ServedModel
+from server.validation import build_completion_request, completion_prompts, deadline_after, new_id
 
 logger = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
@@ -31,23 +33,47 @@ async def create_completion(
         logger.debug("ignoring unknown fields: %s", ", ".join(body.unknown_fields()))
     model = gw.resolve(body.model)
     principal.check_model(model.id)
-    pool = model.pool
     rid = new_id("cmpl")
-    prompts = completion_prompts(body, pool.tokenizer)
-    priority = principal.priority_for(body.priority, "priority" in body.model_fields_set)
-    reqs = [
-        build_completion_request(
-            body, text, ids, request_id=f"{rid}-{i}", model=model.id, card=pool.card,
-            max_n=gw.settings.max_n, timeout=gw.settings.request_timeout, api_key_name=principal.name,
-            priority=priority, vocab_hint=pool.tokenizer.vocab_size,
-        )
-        for i, (text, ids) in enumerate(prompts)
-    ]
-    gen = await admit(request, gw, principal, model, reqs, session_of(request, body.user))
+    ask = CompletionAsk(
+        body, gw, await request.body(), request_id=rid, stream=body.stream,
+        want_usage=bool(body.stream_options and body.stream_options.include_usage),
+        priority=principal.priority_for(body.priority, "priority" in body.model_fields_set),
+        deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name,
+        forward=forwarded(request),
+        max_tokens=body.max_tokens, n=body.n,
+    )
+    if not model.pool.relays:
+        ask.local(model.pool, model.id)  # a bad request is a 400 before admission
+    gen = await admit(request, gw, principal, model, ask, session_of(request, body.user))
+    if gen.relayed:
+        return await relay_response(request, gen)
     view = _Completions(model, gen, rid, body)
     if body.stream:
         return stream_response(gen, view.render, view.tail, gw.settings.sse_keep_alive_interval)
     return await json_response(request, gen, view.answer, each=view.collect_one)
+
+
+class CompletionAsk(RouteAsk):
+    """A completion request for a local engine: one engine request per
+    prompt, tokenized with that engine's tokenizer."""
+
+    path = "/v1/completions"
+
+    def __init__(self, body: CompletionRequest, gw: Gateway, raw: bytes, **kw: Any) -> None:
+        super().__init__(raw, **kw)
+        self.body = body
+        self.gw = gw
+
+    def build(self, pool: Any) -> list[GenerationRequest]:
+        body, s = self.body, self.gw.settings
+        return [
+            build_completion_request(
+                body, text, ids, request_id=f"{self.request_id}-{i}", model=pool.name, card=pool.card,
+                max_n=s.max_n, timeout=s.request_timeout, api_key_name=self.api_key_name,
+                priority=self.priority, vocab_hint=pool.tokenizer.vocab_size,
+            )
+            for i, (text, ids) in enumerate(completion_prompts(body, pool.tokenizer))
+        ]
 
 
 def _prompt_text(model: ServedModel, req: GenerationRequest) -> str:

@@ -14,9 +14,11 @@ from starlette.responses import Response
 from engine_adapter.errors import ContextLengthExceeded, InvalidRequest
 from engine_adapter.types import EmbeddingRequest as EngineEmbeddingRequest
 from engine_adapter.types import Tokenizer
+from server.ask import RouteAsk
 from server.deps import AuthDep, GatewayDep
-from server.generation import SERVED_BY, session_of, until_disconnect
+from server.generation import SERVED_BY, admit, forwarded, session_of, until_disconnect
 from server.protocol import EmbeddingRequest
+from server.relay import relay_response
 from server.routes.docs import ERRORS
 from server.validation import deadline_after, new_id, prompt_inputs
 
@@ -44,6 +46,14 @@ async def create_embeddings(
     model = gw.resolve(body.model, kind="embed")
     principal.check_model(model.id)
     pool = model.pool
+    if pool.relays:  # upstream nodes compute it: pass the request through
+        ask = RouteAsk(await request.body(), request_id=new_id("embd"), stream=False, want_usage=False,
+                       priority=principal.priority_for(body.priority, "priority" in body.model_fields_set),
+                       deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name,
+                       max_tokens=0, forward=forwarded(request))
+        ask.path = "/v1/embeddings"
+        gen = await admit(request, gw, principal, model, ask, session_of(request, body.user))
+        return await relay_response(request, gen)
     card = pool.card
     if body.dimensions is not None and body.dimensions != card.embedding_dim:
         raise InvalidRequest(

@@ -26,9 +26,12 @@ _JSON: dict[str, Any] = {"content": {"application/json": {}}}
 @router.get("/ready", responses={200: _JSON, 503: _JSON})
 async def ready(gw: GatewayDep) -> Response:
     models = {p.name: {"alive": p.alive_workers(), "ready": p.ready_workers()} for p in gw.pools}
-    # a remote upstream's health is the router's business (breaker, fallback):
-    # it must not take this whole gateway out of the load balancer
-    ok = not gw.draining and all(p.ready() for p in gw.pools if not is_remote(p))
+    # With local engines, a remote upstream's health is the router's business
+    # (breaker, fallback): it must not take this gateway out of the load
+    # balancer. A gateway tier (no local engine) is ready when every served
+    # name has at least one healthy node.
+    local = [p for p in gw.pools if not is_remote(p)]
+    ok = not gw.draining and all(p.ready() for p in (local or gw.pools))
     body = {"status": "ready" if ok else ("draining" if gw.draining else "not_ready"), "models": models}
     headers = {} if ok else {"Retry-After": "5"}
     return Response(orjson.dumps(body), status_code=200 if ok else 503, media_type="application/json", headers=headers)

@@ -28,6 +28,7 @@ from engine_adapter.routing import (
     parse_alias,
 )
 from engine_adapter.routing.spec import check_targets
+from engine_adapter.routing.upstream import upstreams_of
 from server.auth import Principal, require_admin
 from server.deps import GatewayDep
 from server.routes.docs import ERRORS
@@ -60,7 +61,8 @@ def _table(gw: Gateway) -> RoutingTable:
 
 
 def describe(gw: Gateway) -> dict[str, Any]:
-    return {"object": "routes", "aliases": _table(gw).describe()}
+    upstreams = [{"upstream": u.cfg.name, "urls": u.describe()} for u in upstreams_of(gw.pools)]
+    return {"object": "routes", "aliases": _table(gw).describe(), "upstreams": upstreams}
 
 
 @router.get("/admin/routes", responses=ERRORS)

@@ -39,7 +39,7 @@ class Pair:
             )
             self.front = GatewayProcess(
                 [*COMMON, "--served-model-name", "qwen-v2", "--upstream", upstream,
-                 "--upstream-tokenizer", "qwen-v3=simulated", "--config", str(self.routes),
+                 "--config", str(self.routes),
                  "--api-key", "k1", "--admin-api-key", "adm", "--readiness-interval", "2"],
                 tmp / "front.log",
             )

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-import uvicorn
-from support import free_port, metric_value, wait_until
+from sim_app import serve
+from support import metric_value, wait_until
 
 from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
 from engine_adapter.errors import EngineError
@@ -26,26 +26,6 @@ from server.app import create_app
 from server.settings import Settings
 
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": True}
-
-
-@asynccontextmanager
-async def serve(
-    pools: list[tuple[WorkerPool, tuple[str, ...], str]], settings: Settings | None = None
-) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
-    """The app on a real uvicorn server on 127.0.0.1 (statuses and bytes as
-    a client sees them on the wire)."""
-    app = create_app(settings or Settings(), pools=pools)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.ensure_future(server.serve())
-    try:
-        await wait_until(lambda: server.started, what="uvicorn to start")
-        limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30, limits=limits) as client:
-            yield client, app
-    finally:
-        server.should_exit = True
-        await task
 
 
 def sim_pool(name: str, cfg: SimulatedConfig, **kw: Any) -> WorkerPool:

@@ -76,7 +76,6 @@ def test_one_entry_parser() -> None:
         ({"upstream": ["u=http://x;bogus=1"]}, "upstream 'u': unknown option 'bogus=1'"),
         ({"upstream": ["u=http://x;read_timeout=soon"]}, "is not a number"),
         ({"extra_model": ["=/m"]}, "--extra-model '=/m': expected NAME[,ALIAS...]=PATH"),
-        ({"upstream_tokenizer": ["u"]}, "--upstream-tokenizer 'u': expected NAME=PATH"),
         ({"engine_args": ["=3"]}, "--engine-arg '=3': expected KEY=VALUE"),
     ],
 )
@@ -87,10 +86,9 @@ def test_every_entry_flag_reports_through_the_one_parser(kw: dict[str, list[str]
 
 def test_entry_flags_parse() -> None:
     s = Settings(extra_model=["a,b=/m"], engine_args=["kv_cache_dtype=fp8", "max-logprobs=40"],
-                 upstream=["u=http://x:1"], upstream_tokenizer=["u=/tok"])
+                 upstream=["u=http://x:1"])
     assert s.extra_models() == [(("a", "b"), "/m")]
     assert s.engine_args == {"kv_cache_dtype": "fp8", "max_logprobs": 40}
-    assert s.upstream_tokenizers() == {"u": "/tok"}
 
 
 def test_serve_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,75 @@
+"""What a generating route asks of the target admission picks (the Ask of
+engine_adapter/lease.py): the same client request, as engine requests for a
+local engine (validated and tokenized with that engine's tokenizer, once
+per tokenizer) or as one pass-through call for upstream nodes (the client's
+JSON body, untouched)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from engine_adapter.types import GenerationRequest, RelayCall
+
+
+class RouteAsk:
+    """Subclasses build the local requests in `build(pool)`."""
+
+    path: str = ""
+
+    def __init__(
+        self,
+        raw: bytes,
+        *,
+        request_id: str,
+        stream: bool,
+        want_usage: bool,
+        priority: int,
+        deadline: float | None,
+        api_key_name: str | None,
+        max_tokens: int | None,
+        n: int = 1,
+        forward: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        self.raw = raw
+        self.forward = forward
+        self.request_id = request_id
+        self.stream = stream
+        self.want_usage = want_usage
+        self.priority = priority
+        self.deadline = deadline
+        self.api_key_name = api_key_name
+        self.max_tokens = max_tokens
+        self.n = n
+        self._built: dict[int, list[GenerationRequest]] = {}
+        self._body: dict[str, Any] | None = None
+
+    def build(self, pool: Any) -> list[GenerationRequest]:
+        raise NotImplementedError
+
+    def local(self, pool: Any, model: str) -> list[GenerationRequest]:
+        key = id(pool.tokenizer)
+        reqs = self._built.get(key)
+        if reqs is None:
+            reqs = self._built[key] = self.build(pool)
+        return [r if r.model == model else replace(r, model=model) for r in reqs]
+
+    def relay(self, model: str) -> RelayCall:
+        if self._body is None:
+            self._body = orjson.loads(self.raw)
+        return RelayCall(
+            request_id=self.request_id, model=model, path=self.path, body=self._body, stream=self.stream,
+            want_usage=self.want_usage, priority=self.priority, deadline=self.deadline,
+            api_key_name=self.api_key_name, headers=self.forward,
+        )
+
+    def budget(self) -> int:
+        """Tokens reserved against the key's per-minute limit at admission
+        (settled to the real count at the end): prompt + max_tokens x n when
+        the request was tokenized here, else an estimate (a token per four
+        bytes of the body, plus max_tokens x n)."""
+        for reqs in self._built.values():
+            return sum(len(r.prompt_token_ids) + r.sampling.max_tokens * r.sampling.n for r in reqs)
+        return len(self.raw) // 4 + (self.max_tokens or 0) * self.n
