@@ -85,19 +85,22 @@ def make_target(kind: str, port: int, upstream: str, tmp: Path, args: argparse.N
         return None
     if kind in ("ours", "ours-before"):
         cmd, env, cwd = gateway_command(args.before if kind == "ours-before" else None)
-        # the byte tokenizer: the fake upstream ignores the prompt, and the embedded
-        # model's tokenizer would add its own cost (set --ours-tokenizer to compare)
-        spec = f"{MODEL}={upstream};tokenizer={args.ours_tokenizer}"
-        # --backend simulated: the local model is a cheap simulated one, so no vLLM engine starts
+        if kind == "ours":
+            # what a user runs for a gateway tier: no local engine, the node's
+            # model id learned from its /v1/models, requests passed through
+            local = ["--model", "none"]
+            spec = f"{MODEL}={upstream}"
+        else:
+            # a checkout from before pass-through: a simulated local model, and the
+            # remote model tokenized locally (--before-tokenizer: the tokenizer it used)
+            local = ["--backend", "simulated", "--embedding-model", "none"]
+            spec = f"{MODEL}={upstream};tokenizer={args.before_tokenizer}"
         argv = [
             *cmd,
             "serve",
-            "--backend",
-            "simulated",
+            *local,
             "--upstream",
             spec,
-            "--embedding-model",
-            "none",
             "--port",
             str(port),
             "--log-level",
@@ -277,9 +280,10 @@ def main() -> None:
         help="another checkout (e.g. `git worktree add /tmp/base <commit>`): adds target ours-before, its code",
     )
     ap.add_argument(
-        "--ours-tokenizer",
-        default="simulated",
-        help="tokenizer of the gateway's remote model: simulated (byte) or a folder",
+        "--before-tokenizer",
+        default="",
+        help="ours-before only (a checkout that tokenized remote models itself): simulated (byte), a folder, "
+        "or empty for its default, the embedded model's",
     )
     add_quiet_args(ap)
     ap.add_argument("--profile", action="store_true", help="py-spy our gateway (extra runs, round 1)")
