@@ -8,12 +8,14 @@ import logging
 from collections import Counter as CounterDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from engine_adapter.metrics import EngineMetrics
 from engine_adapter.pool import WorkerPool
+from server.access_log import AccessLog, parse_proxies
 from server.auth import KeyStore
 from server.errors import install_error_handlers
 from server.limits import Limits
@@ -36,6 +38,9 @@ from server.routes import (
 from server.settings import Settings
 from server.state import Gateway
 
+if TYPE_CHECKING:
+    from server.tracing import Tracing
+
 logger = logging.getLogger(__name__)
 
 ServedPools = list[tuple[WorkerPool, tuple[str, ...], str]]
@@ -55,6 +60,7 @@ def create_app(
     # One of several gateway processes (--workers N): /metrics covers them all.
     mp_registry = multiprocess_registry(registry)
     holder: dict[str, Gateway] = {}
+    access_log, tracing = _observability(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -77,6 +83,10 @@ def create_app(
             await p.start()
             started.append(p)
 
+        if access_log is not None:
+            access_log.start()
+        if tracing is not None:
+            tracing.start()
         try:
             await asyncio.gather(*(start(p) for p in gw.pools))
             routing_admin.start_routing(app, gw)  # aliases and fallbacks over started pools; SIGHUP reloads
@@ -93,6 +103,10 @@ def create_app(
             await asyncio.gather(*(p.stop(settings.shutdown_timeout) for p in started))
             if monitor is not None:
                 await monitor.stop()
+            if tracing is not None:
+                await asyncio.to_thread(tracing.stop)  # flushes the last spans
+            if access_log is not None:
+                access_log.stop()
 
     app = FastAPI(
         title="npu-gateway",
@@ -116,5 +130,23 @@ def create_app(
     for r in (chat, completions, responses, messages, generate, embeddings, models, tokenize, health, admin):
         app.include_router(r.router)
     routing_admin.setup_routing(app, registry)  # /admin/routes, upstream metrics
-    app.add_middleware(GatewayMiddleware, metrics=gw_metrics, max_body=settings.max_request_body_bytes)
+    app.add_middleware(
+        GatewayMiddleware, metrics=gw_metrics, max_body=settings.max_request_body_bytes,
+        access_log=access_log, tracing=tracing,
+    )
     return app
+
+
+def _observability(settings: Settings) -> tuple[AccessLog | None, Tracing | None]:
+    """The access log and the tracer the settings ask for (None: off, at no
+    cost per request; OpenTelemetry is not even imported)."""
+    access_log = None
+    if settings.access_log_format != "off":
+        access_log = AccessLog(settings.access_log_format, settings.access_log_file,
+                               parse_proxies(settings.trusted_proxies))
+    tracing = None
+    if settings.otlp_traces_endpoint:
+        from server.tracing import Tracing
+
+        tracing = Tracing(settings.otlp_traces_endpoint)
+    return access_log, tracing

@@ -49,9 +49,12 @@ Key = tuple[int, int]  # (prompt, choice index)
 
 
 def forwarded(request: Request) -> tuple[tuple[str, str], ...]:
-    """Headers an upstream node gets too: the gateway's request id."""
-    rid = request.scope.get("state", {}).get("request_id")
-    return (("X-Request-Id", rid),) if rid else ()
+    """Headers an upstream node gets too: the gateway's request id, and the
+    trace context (`traceparent`, set by the middleware)."""
+    state = request.scope.get("state", {})
+    rid = state.get("request_id")
+    trace: tuple[tuple[str, str], ...] = state.get("trace_headers", ())
+    return ((("X-Request-Id", rid),) if rid else ()) + trace
 
 
 def session_of(request: Request, user: str | None) -> str | None:
@@ -69,11 +72,15 @@ class Generation:
 
     __slots__ = (
         "_cached", "_done", "_first", "_stream", "admission", "completion_tokens", "created", "lease", "model",
-        "prompt_tokens",
+        "note", "prompt_tokens",
     )
 
-    def __init__(self, model: ServedModel, lease: Lease, admission: Admission) -> None:
+    def __init__(
+        self, model: ServedModel, lease: Lease, admission: Admission, note: dict[str, Any] | None = None
+    ) -> None:
         self.model = model
+        # the request's scope["state"]: what the access log and the trace read
+        self.note: dict[str, Any] = note if note is not None else {}
         self.lease = lease
         self.admission = admission
         self.created = int(time.time())
@@ -155,15 +162,20 @@ class Generation:
         self, idle_tick: float | None
     ) -> AsyncGenerator[tuple[int, list[EngineOutput]] | None, None]:
         cached = self._cached
+        note = self.note
         async with aclosing(self.lease.stream(idle_tick)) as stream:
             async for p, batch in stream:
                 if batch is None:
                     yield None
                     continue
+                if "t_first" not in note:
+                    note["t_first"] = time.perf_counter()
                 for out in batch:
                     self.completion_tokens += len(out.token_ids)
                     if out.cached_tokens:
                         cached[p] = out.cached_tokens
+                    if out.finish_reason is not None:
+                        note.setdefault("finish_reasons", set()).add(out.finish_reason)
                 yield p, batch
 
     async def close(self) -> None:
@@ -196,6 +208,11 @@ class Generation:
         self._done = True
         self.lease.release()
         self.admission.finish(self.prompt_tokens, self.completion_tokens)
+        self.note.update(
+            t_done=time.perf_counter(), target=self.served_by, relayed=self.relayed,
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+        )
 
 
 async def admit(
@@ -213,13 +230,16 @@ async def admit(
         budget = sum(len(r.prompt_token_ids) + r.sampling.max_tokens * r.sampling.n for r in ask)
     else:
         budget = ask.budget()
+    note = request.scope.setdefault("state", {})
+    note.update(key=principal.name, model=model.id, t_admit=time.perf_counter())
     admission = await gw.limits.admit(principal, model.id, budget)
     try:
         lease = await until_disconnect(request, model.pool.acquire(ask, session), discard=_release)
     except BaseException:
         admission.finish(0)
         raise
-    return Generation(model, lease, admission)
+    note["t_admitted"] = time.perf_counter()
+    return Generation(model, lease, admission, note)
 
 
 def _release(lease: Lease) -> None:

@@ -1,5 +1,6 @@
 """Pure ASGI middleware (no per-request task, streams untouched): request id,
-body limit, content type and HTTP metrics.
+body limit, content type, HTTP metrics, the access log line and the
+request's trace span.
 
 One middleware, so one send and one receive wrapper per request: every SSE
 chunk goes through each wrapper in the stack. It never reads or buffers a
@@ -9,24 +10,41 @@ the request and the lease.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapter.errors import GatewayError, InvalidRequest, RequestTooLarge, UnsupportedMediaType
+from server.access_log import AccessLog, trace_id_of
 from server.errors import error_headers, shape_for
 from server.metrics import GatewayMetrics
 
+if TYPE_CHECKING:
+    from server.tracing import Tracing
+
+logger = logging.getLogger(__name__)
 _JSON_ROUTES = ("/v1/", "/tokenize", "/detokenize", "/admin/", "/generate")
 
 
 class GatewayMiddleware:
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_body: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: GatewayMetrics,
+        max_body: int,
+        access_log: AccessLog | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body = max_body
+        self.access_log = access_log
+        self.tracing = tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -35,14 +53,26 @@ class GatewayMiddleware:
         start = time.perf_counter()
         headers = dict(scope["headers"])
         rid = headers.get(b"x-request-id", b"").decode("latin-1")[:200] or os.urandom(16).hex()
-        scope.setdefault("state", {})["request_id"] = rid
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
         status = 500
         rid_header = (b"x-request-id", rid.encode("latin-1"))
+        start_wall = time.time()
+        span = None
+        if self.tracing is not None:
+            span = self.tracing.begin(scope, headers, state)
+        elif b"traceparent" in headers:
+            # not tracing here: the client's trace still reaches the nodes
+            state["trace_headers"] = tuple(
+                (k.decode("latin-1"), headers[k].decode("latin-1")) for k in (b"traceparent", b"tracestate")
+                if k in headers
+            )
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                state["t_response"] = time.perf_counter()
                 message["headers"] = [*message.get("headers", []), rid_header]
             await send(message)
 
@@ -64,10 +94,44 @@ class GatewayMiddleware:
                 await _send_error(send_wrapper, err, scope["path"])
                 return
             await self.app(scope, receive_wrapper, send_wrapper)
+        except asyncio.CancelledError:
+            if "t_response" not in state:
+                status = 499  # the client left before the status line (as nginx logs it)
+            raise
         finally:
+            end = time.perf_counter()
             route = scope.get("route")
             path = getattr(route, "path", None) or "other"
-            self.metrics.http_done(path, scope["method"], status, time.perf_counter() - start)
+            self.metrics.http_done(path, scope["method"], 500 if status == 499 else status, end - start)
+            if self.access_log is not None or span is not None:
+                self._observe(scope, headers, state, status, start_wall, start, end, span)
+
+    def _observe(
+        self,
+        scope: Scope,
+        headers: dict[bytes, bytes],
+        state: dict[str, object],
+        status: int,
+        start_wall: float,
+        start: float,
+        end: float,
+        span: object,
+    ) -> None:
+        """The access log line and the trace; neither may fail the request."""
+        rec = None
+        trace_id = None
+        try:
+            if span is not None:
+                trace_id = format(span.get_span_context().trace_id, "032x")  # type: ignore[attr-defined]
+            else:
+                trace_id = trace_id_of(headers)
+            if self.access_log is not None:
+                rec = self.access_log.record(scope, headers, state, status, start_wall, start, end, trace_id)
+                self.access_log.write(rec)
+            if span is not None and self.tracing is not None:
+                self.tracing.end(span, scope, state, rec, status, int(start_wall * 1e9), start, end)  # type: ignore[arg-type]
+        except Exception:
+            logger.exception("access log / trace of request %s failed", state.get("request_id"))
 
     def _precheck(self, scope: Scope, headers: dict[bytes, bytes]) -> GatewayError | None:
         if scope["method"] not in ("POST", "PUT", "PATCH"):

@@ -5,6 +5,7 @@ was ejected; an alias moved on to its next target) is a status."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from starlette.requests import Request
@@ -23,6 +24,7 @@ async def _first_bytes(items: AsyncGenerator[Relayed, None], gen: Generation) ->
         if isinstance(item, RelayUsage):
             gen.took(item)
         else:
+            gen.note.setdefault("t_first", time.perf_counter())
             return item
     return b""
 

@@ -111,6 +111,27 @@ class Settings(BaseSettings):
         description="passive: an engine that produced output within the interval counts as ready and gets "
         "no probe request; active: only probes and finished requests count",
     )
+    # --- routing between the engines of one model (engine_adapter/routing/policy.py) ---
+    routing_policy: Entries = Field(
+        default_factory=lambda: ["least-outstanding"],
+        description="which engine of a model (--num-workers, or the URLs of an --upstream) serves a request: "
+        "least-outstanding, session (hash of X-Session-ID or user), or prefix (the engine that saw the longest "
+        "prefix of the prompt; a session key takes precedence); POLICY for every model or NAME=POLICY "
+        "(repeatable)",
+    )
+    routing_prefix_max_blocks: int = Field(
+        131072, ge=1, description="prefix policy: prompt blocks remembered per model (least recently used out)"
+    )
+    routing_prefix_block_bytes: int = Field(
+        256, ge=1, description="prefix policy, upstream nodes: bytes of the request's JSON per block"
+    )
+    routing_balance_abs_threshold: int = Field(
+        16, ge=0, description="prefix policy: least outstanding instead when the matched engine has more than "
+        "this many requests in flight above the least-loaded one ..."
+    )
+    routing_balance_rel_threshold: float = Field(
+        1.5, ge=1.0, description="... and more than this many times its requests in flight"
+    )
     max_n: int = Field(8, ge=1, description="largest n accepted")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="request body limit")
     sse_keep_alive_interval: float = Field(15.0, gt=0, description="seconds between SSE keep-alive comments")
@@ -161,11 +182,38 @@ class Settings(BaseSettings):
     canary_max_error_rate: float | None = Field(0.5, ge=0, le=1, description="roll a canary back above this")
     canary_max_ttft_p95: float | None = Field(None, gt=0, description="roll a canary back above this TTFT p95 (s)")
 
-    @field_validator("served_model_name", "embedding_served_model_name", "api_key", mode="before")
+    access_log_format: Literal["json", "text", "off"] = Field(
+        "text", description="one line per request (json or text; off: none)"
+    )
+    access_log_file: Path | None = Field(None, description="access log file (default: stderr)")
+    trusted_proxies: Entries = Field(
+        default_factory=list, description="proxy addresses/CIDRs whose X-Forwarded-For is believed (repeatable)"
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None, description="OTLP collector for traces (protocol: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL); off when unset"
+    )
+
+    @field_validator("served_model_name", "embedding_served_model_name", "api_key", "trusted_proxies", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
         if isinstance(v, str):
             return [s for s in (p.strip() for p in v.split(",")) if s]
+        return v
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxies(cls, v: list[str]) -> list[str]:
+        from server.access_log import parse_proxies
+
+        parse_proxies(v)  # a bad address or network fails at start-up
+        return v
+
+    @field_validator("routing_policy")
+    @classmethod
+    def _routing_policy(cls, v: list[str]) -> list[str]:
+        from engine_adapter.routing.policy import parse_policies
+
+        parse_policies(v)
         return v
 
     @field_validator("extra_model")

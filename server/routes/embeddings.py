@@ -71,6 +71,8 @@ async def create_embeddings(
                 param="input",
             )
     total = sum(len(s) for s in seqs)
+    note = request.scope.setdefault("state", {})  # for the access log and the trace
+    note.update(key=principal.name, model=model.id, prompt_tokens=total)
     admission = await gw.limits.admit(principal, model.id, total)
     req = EngineEmbeddingRequest(
         request_id=new_id("embd"),
@@ -84,6 +86,7 @@ async def create_embeddings(
         got = await until_disconnect(request, pool.embed(req, session_of(request, body.user)))
     finally:
         admission.finish(total)
+    note.update(completion_tokens=0, target=got.served_by if model.routed else model.id)
     vectors = got.vectors
     data: list[dict[str, Any]] = []
     for i, v in enumerate(vectors):
