@@ -38,6 +38,7 @@ from engine_adapter.errors import (
 )
 from engine_adapter.lease import Ask, PoolLease, Slot
 from engine_adapter.readiness import probe_once
+from engine_adapter.routing.policy import RouteKey, RoutingPolicy
 from engine_adapter.types import (
     Embedded,
     EmbeddingRequest,
@@ -92,6 +93,8 @@ class WorkerPool:
         self._idle = asyncio.Event()
         self._idle.set()
         self._running = 0
+        # which worker of those with a free slot (routing/policy.py)
+        self.policy: RoutingPolicy = RoutingPolicy()
 
     # ---- what the HTTP layer reads -------------------------------------
     @property
@@ -171,12 +174,22 @@ class WorkerPool:
         self._accepting = False
 
     # ---- admission -----------------------------------------------------
-    def _pick(self) -> Worker | None:
-        best: Worker | None = None
-        for w in self.workers:
-            if w.free > 0 and (best is None or w.in_flight < best.in_flight):
-                best = w
-        return best
+    def _pick(self, key: RouteKey | None = None) -> Worker | None:
+        """A worker with a free slot, as the policy chooses; with no key
+        (least outstanding), the one with the fewest in flight."""
+        workers = self.workers
+        if key is None or len(workers) == 1:
+            best: Worker | None = None
+            for w in workers:
+                if w.free > 0 and (best is None or w.in_flight < best.in_flight):
+                    best = w
+            if best is not None and len(workers) > 1:
+                self.policy.stats.decisions["least_outstanding"] += 1
+            return best
+        free = [w for w in workers if w.free > 0]
+        if not free:
+            return None
+        return free[self.policy.choose([w.index for w in free], [w.in_flight for w in free], key)]
 
     @property
     def relays(self) -> bool:
@@ -196,25 +209,28 @@ class WorkerPool:
         if isinstance(ask, Sequence):
             reqs = [r if r.model == name else replace(r, model=name) for r in ask]
         elif self.relays:
-            return await self._acquire_relay(ask.relay(name))
+            return await self._acquire_relay(ask.relay(name), session)
         else:
             reqs = ask.local(self, name)
         held: list[tuple[GenerationRequest | RelayCall, Slot]] = []
+        keyed = len(self.workers) > 1
         try:
             for r in reqs:
-                held.append((r, Slot(await self._acquire(r.priority, r.deadline))))
+                key = self.policy.key_for_tokens(r.prompt_token_ids, session) if keyed else None
+                held.append((r, Slot(await self._acquire(r.priority, r.deadline, key))))
         except BaseException:
             for _, slot in held:
                 self._release_slot(slot)
             raise
         return PoolLease(name, held, self._run, self._relay, self._release_slot)
 
-    async def _acquire_relay(self, call: RelayCall) -> PoolLease:
+    async def _acquire_relay(self, call: RelayCall, session: str | None = None) -> PoolLease:
         """A slot, then the node's acceptance of the call (its status line):
-        a node that refuses or cannot be reached fails admission."""
+        a node that refuses or cannot be reached fails admission. The
+        upstream's policy picks the node (`session` for it)."""
         slot = Slot(await self._acquire(call.priority, call.deadline))
         try:
-            slot.opened = await slot.worker.engine.open(call)  # type: ignore[attr-defined]
+            slot.opened = await slot.worker.engine.open(call, session)  # type: ignore[attr-defined]
         except BaseException:
             self._release_slot(slot)
             raise
@@ -235,12 +251,12 @@ class WorkerPool:
                 self._idle.set()
             self._release_slot(slot)
 
-    async def _acquire(self, priority: int, deadline: float | None) -> Worker:
+    async def _acquire(self, priority: int, deadline: float | None, key: RouteKey | None = None) -> Worker:
         if not self._accepting:
             self.counters.rejected["shutting_down"] += 1
             raise ShuttingDown("the server is shutting down", retry_after=5)
         if not self._queue:
-            w = self._pick()
+            w = self._pick(key)
             if w is not None:
                 w.in_flight += 1
                 self.counters.dispatched += 1
@@ -258,7 +274,7 @@ class WorkerPool:
                 retry_after=1,
             )
         loop = asyncio.get_running_loop()
-        waiter = Waiter(priority, next(self._seq), loop.create_future(), time.monotonic())
+        waiter = Waiter(priority, next(self._seq), loop.create_future(), time.monotonic(), key=key)
         heapq.heappush(self._queue, waiter)
         self._queued += 1
         self._queued_by_priority[priority] += 1
@@ -307,7 +323,7 @@ class WorkerPool:
                 continue
             self._queued -= 1
             self._queued_by_priority[waiter.priority] -= 1
-            target = self._pick() or w
+            target = self._pick(waiter.key) or w
             target.in_flight += 1
             self.counters.dispatched += 1
             waiter.future.set_result(target)
@@ -399,6 +415,7 @@ class WorkerPool:
         put = channel.put
         try:
             async for out in w.engine.generate(req):
+                w.saw_output()
                 put(out)
             w.last_ready = time.monotonic()
             put(END)
@@ -428,6 +445,7 @@ class WorkerPool:
                     raise RequestTimeout("the embedding request exceeded the request timeout") from None
             else:
                 vectors = await coro
+            w.saw_output()
             return Embedded(self.name, vectors)
         except EngineDead as e:
             self._on_dead(w, e)
@@ -445,6 +463,7 @@ class WorkerPool:
         logger.error("%s worker %d died: %s; restarting", self.name, w.index, err)
         w.alive = False
         w.last_ready = None
+        self.policy.forget(w.index)  # its KV cache goes with it
         for t in list(w.tasks):
             t.cancel()
         if self._accepting:

@@ -10,7 +10,8 @@ requests, each guarded by a circuit breaker (passive) and health checks
   back. Requests still waiting on an ejected URL for their first byte are
   failed at once (`Endpoint.ejected`), so a router or a retry can move them.
 - Model ids: the check learns the node's own model id from `/v1/models`
-  (the one model it serves, or `;model=ID` among several) and its
+  (the one model it serves, else the served name if the node lists it, else
+  `;model=ID` must pick one) and its
   `max_model_len`. A node that does not serve the expected model is named
   in the log and in `/admin/routes`, with what it does serve.
 
@@ -35,6 +36,7 @@ import orjson
 
 from engine_adapter.entry import parse_entry
 from engine_adapter.errors import GatewayError, ServiceUnavailable
+from engine_adapter.routing.policy import RouteKey, RoutingPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +127,8 @@ class Upstream:
         self._users = 0
         self._health: asyncio.Task[None] | None = None
         self._next = 0
+        # which usable URL (routing/policy.py); ids are positions in `endpoints`
+        self.policy: RoutingPolicy = RoutingPolicy()
         key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -161,17 +165,27 @@ class Upstream:
             raise ServiceUnavailable(f"upstream {self.cfg.name!r} is not started", retry_after=1)
         return self._session
 
-    def pick(self, exclude: Collection[Endpoint] = ()) -> Endpoint:
-        """The usable URL with the fewest requests in flight (round robin on ties)."""
+    def pick(self, exclude: Collection[Endpoint] = (), key: RouteKey | None = None) -> Endpoint:
+        """A usable URL: with no key (least outstanding), the one with the
+        fewest requests in flight (round robin on ties); else as the policy
+        chooses among the usable ones."""
         now, n, cd = time.monotonic(), len(self.endpoints), self.cfg.cooldown
         if not n:
             raise ServiceUnavailable(f"upstream {self.cfg.name!r} is not started", retry_after=1)
         self._next = (self._next + 1) % n
         best: Endpoint | None = None
-        for k in range(n):
-            ep = self.endpoints[(self._next + k) % n]
-            if ep not in exclude and ep.usable(now, cd) and (best is None or ep.outstanding < best.outstanding):
-                best = ep
+        if key is None:
+            for k in range(n):
+                ep = self.endpoints[(self._next + k) % n]
+                if ep not in exclude and ep.usable(now, cd) and (best is None or ep.outstanding < best.outstanding):
+                    best = ep
+            if best is not None and n > 1:
+                self.policy.stats.decisions["least_outstanding"] += 1
+        else:
+            ids = [i for i, ep in enumerate(self.endpoints) if ep not in exclude and ep.usable(now, cd)]
+            if ids:
+                loads = [self.endpoints[i].outstanding for i in ids]
+                best = self.endpoints[ids[self.policy.choose(ids, loads, key)]]
         if best is None:
             raise ServiceUnavailable(
                 f"upstream {self.cfg.name!r}: every URL is ejected (failing requests or health checks)",
@@ -209,6 +223,7 @@ class Upstream:
         if ep.state == "half_open" or (ep.state == "closed" and ep.failures >= self.cfg.eject_after):
             ep.state, ep.opened_at = "open", time.monotonic()
             ep.ejections += 1
+            self._forget(ep)
             _eject(ep)
             logger.warning(
                 "upstream %s %s: breaker open for %.0fs after %d failures (%s)",
@@ -247,6 +262,7 @@ class Upstream:
             if ep.healthy and (first or ep.check_failures >= self.cfg.eject_after):
                 ep.healthy = False
                 ep.ejections += 1
+                self._forget(ep)
                 _eject(ep)
                 logger.warning("upstream %s %s: ejected by health checks: %s", self.cfg.name, ep.url, why)
             return
@@ -260,6 +276,11 @@ class Upstream:
             ep.ejected = asyncio.get_running_loop().create_future()
             logger.info("upstream %s %s: health checks pass again", self.cfg.name, ep.url)
 
+    def _forget(self, ep: Endpoint) -> None:
+        """An ejected URL loses its routing entries: it may come back restarted."""
+        if ep in self.endpoints:
+            self.policy.forget(self.endpoints.index(ep))
+
     def _pick_model(self, cards: list[dict[str, Any]]) -> dict[str, Any]:
         ids = [str(m["id"]) for m in cards]
         if self.cfg.model is not None:
@@ -269,6 +290,9 @@ class Upstream:
             raise _CheckFailed(f"does not serve {self.cfg.model!r} (it serves {', '.join(ids) or 'nothing'})")
         if len(cards) == 1:
             return cards[0]
+        for m in cards:  # NAME=URL where NAME is one of the node's ids
+            if m["id"] == self.cfg.name:
+                return m
         if not cards:
             raise _CheckFailed("does not serve any model (/v1/models is empty)")
         raise _CheckFailed(f"serves several models ({', '.join(ids)}): pick one with ;model=ID")

@@ -1,8 +1,10 @@
 """A gateway tier in front of a real node: a gateway-only process started
-with nothing but `--model none --upstream smol=URL` (no `;model=`, no
-tokenizer) in front of the session's real gateway (vLLM, SmolLM2). The node's
-model id is learned from its /v1/models; chat, streaming, tools and
-completions come back as the node answered them, under the client's name."""
+with nothing but `--model none --upstream NAME=URL` (no tokenizer) in front of
+the session's real gateway (vLLM, SmolLM2; it also serves an embedding
+model, so its /v1/models lists two). `SmolLM2-135M-Instruct=URL` is found by
+name among the node's models; `smol=URL;model=SmolLM2-135M-Instruct` serves
+it under another name. Chat, streaming and completions come back as the
+node answered them, under the client's name."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 def tier(real_gateway: GatewayProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     tmp = tmp_path_factory.mktemp("tier")
     t0 = time.monotonic()
-    front = GatewayProcess(["--model", "none", "--upstream", f"smol={real_gateway.url}"], tmp / "front.log")
+    front = GatewayProcess(["--model", "none", "--upstream", f"{EMBEDDED}={real_gateway.url}",
+                            "--upstream", f"smol={real_gateway.url};model={EMBEDDED}"], tmp / "front.log")
     try:
         front.wait_ready(60)
         front.ready_after = time.monotonic() - t0  # type: ignore[attr-defined]
@@ -35,7 +38,7 @@ def tier(real_gateway: GatewayProcess, tmp_path_factory: pytest.TempPathFactory)
 def test_the_front_learns_the_node_model_id_and_is_ready(tier: GatewayProcess) -> None:
     assert f"serves model '{EMBEDDED}'" in tier.log()
     ids = [m["id"] for m in httpx.get(tier.url + "/v1/models").json()["data"]]
-    assert ids == ["smol"]
+    assert sorted(ids) == sorted([EMBEDDED, "smol"])
     assert httpx.get(tier.url + "/ready").status_code == 200
 
 
@@ -53,8 +56,8 @@ def test_chat_through_the_tier_equals_the_node(tier: GatewayProcess, real_gatewa
         assert chunk.model == "smol"
         parts.extend(c.delta.content or "" for c in chunk.choices)
     assert "".join(parts) == a.choices[0].message.content
-    text = via.completions.create(model="smol", prompt="The capital of France is", max_tokens=5, temperature=0)
-    assert text.model == "smol" and text.choices[0].text
+    text = via.completions.create(model=EMBEDDED, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert text.model == EMBEDDED and text.choices[0].text
     metrics = httpx.get(tier.url + "/metrics").text
     assert metric_value(metrics, "npugw_api_key_tokens_total", model_name="smol", type="completion") >= (
         a.usage.completion_tokens
