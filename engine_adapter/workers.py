@@ -7,6 +7,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine_adapter.types import Engine
 
@@ -58,6 +59,7 @@ class Waiter:
     future: asyncio.Future[Worker] = field(compare=False)
     enqueued: float = field(compare=False, default=0.0)
     cancelled: bool = field(compare=False, default=False)
+    key: Any = field(compare=False, default=None)  # its routing key (routing/policy.py RouteKey)
 
 
 @dataclass(slots=True)

@@ -15,7 +15,8 @@ from engine_adapter.model import EMBEDDED_EMBEDDING_NAME, EMBEDDED_MODEL_NAME, r
 from engine_adapter.pool import WorkerPool
 from engine_adapter.registry import ModelSpec, build_pool
 from engine_adapter.routing import CanaryPolicy, RouteSpec, RoutingMetrics, RoutingTable, route_specs
-from engine_adapter.routing.upstream import UpstreamConfig, parse_upstream
+from engine_adapter.routing.policy import PolicyOptions, make_policy, parse_policies
+from engine_adapter.routing.upstream import UpstreamConfig, parse_upstream, upstreams_of
 from server.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -174,7 +175,31 @@ def build_served_pools(
     local = [(build_pool(spec, device, metrics), spec.names, spec.root) for spec in model_specs(settings)]
     for pool, _, _ in local:
         pool.passive_readiness = settings.readiness_probe == "passive"
-    return local + build_remote_pools(settings)
+    served = local + build_remote_pools(settings)
+    set_routing_policies(settings, served)
+    return served
+
+
+def set_routing_policies(settings: Settings, served: list[tuple[WorkerPool, tuple[str, ...], str]]) -> None:
+    """`--routing-policy`: each pool's choice of worker, each upstream's
+    choice of URL (prefix blocks: the KV block size in tokens locally, bytes
+    of JSON for upstream nodes)."""
+    s = settings
+    default, per_model = parse_policies(s.routing_policy)
+    opts = PolicyOptions(
+        block_tokens=s.block_size or 16, block_bytes=s.routing_prefix_block_bytes,
+        max_blocks=s.routing_prefix_max_blocks, balance_abs=s.routing_balance_abs_threshold,
+        balance_rel=s.routing_balance_rel_threshold,
+    )
+    for pool, names, _ in served:
+        name = next((per_model[n] for n in names if n in per_model), default)
+        ups = upstreams_of([pool])
+        for up in ups:
+            up.policy = make_policy(name, opts, unit="bytes")
+        if not ups:
+            pool.policy = make_policy(name, opts)
+        if name != "least-outstanding":
+            logger.info("model %s: routing policy %s", names[0], name)
 
 
 def canary_policy(settings: Settings) -> CanaryPolicy:

@@ -208,12 +208,15 @@ class Settings(BaseSettings):
         parse_proxies(v)  # a bad address or network fails at start-up
         return v
 
-    @field_validator("routing_policy")
+    @field_validator("routing_policy", mode="before")
     @classmethod
-    def _routing_policy(cls, v: list[str]) -> list[str]:
+    def _routing_policy(cls, v: Any) -> Any:
         from engine_adapter.routing.policy import parse_policies
 
-        parse_policies(v)
+        if isinstance(v, str):  # NPUGW_ROUTING_POLICY="prefix chat=session"
+            v = v.replace(",", " ").split()
+        if isinstance(v, list | tuple):
+            parse_policies(str(item) for item in v)
         return v
 
     @field_validator("extra_model")

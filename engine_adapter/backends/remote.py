@@ -113,7 +113,7 @@ class RemoteEngine:
         yield  # pragma: no cover  (an async generator)
 
     # ---- pass-through ----------------------------------------------------
-    async def open(self, call: RelayCall) -> Opened:
+    async def open(self, call: RelayCall, session: str | None = None) -> Opened:
         """Send `call` to a node and wait for its status line: part of
         admission, so a node that refuses, is unreachable or is ejected
         meanwhile fails here and a router can move the request on (to
@@ -123,9 +123,10 @@ class RemoteEngine:
         generation = call.path in GENERATION_PATHS
         tried: list[Endpoint] = []
         last: ServiceUnavailable | None = None
+        key = up.policy.key_for_body(call.body, session) if len(up.endpoints) > 1 else None
         while True:
             try:
-                ep = up.pick(exclude=tried)
+                ep = up.pick(exclude=tried, key=key)
             except ServiceUnavailable:
                 if last is not None:
                     raise last from None

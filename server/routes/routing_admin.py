@@ -27,6 +27,7 @@ from engine_adapter.routing import (
     UpstreamCollector,
     parse_alias,
 )
+from engine_adapter.routing.policy import PolicyCollector, policies_of
 from engine_adapter.routing.spec import check_targets
 from engine_adapter.routing.upstream import upstreams_of
 from server.auth import Principal, require_admin
@@ -125,6 +126,7 @@ def setup_routing(app: FastAPI, registry: CollectorRegistry) -> None:
         return list(gw.pools) if gw is not None else []
 
     registry.register(UpstreamCollector(pools))
+    registry.register(PolicyCollector(lambda: policies_of(pools())))
     app.include_router(router)
 
 
