@@ -173,7 +173,7 @@ class Tracing:
                 work.set_attribute("gen_ai.latency.time_to_first_token", t_first - t_admitted)
                 work.set_attribute("gen_ai.latency.time_in_model_decode", max(0.0, t_done - t_first))
             work.end(end_time=ns(max(t_done, t_admitted)))
-        if t_response is not None:
+        if t_response is not None and t_admitted is not None:  # a refusal's error body is no stream
             st = tracer.start_span("gateway.stream", context=ctx, start_time=ns(t_response))
             st.end(end_time=ns(end))
         attrs: dict[str, Any] = {"http.response.status_code": status}

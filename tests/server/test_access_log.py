@@ -4,13 +4,15 @@ proxies' X-Forwarded-For, and never a prompt or an output."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 from sim_app import running_app
-from support import wait_until
+from support import REPO, wait_until
 
 from engine_adapter.backends.simulated import SimulatedConfig
 from server.access_log import AccessLog, client_address, parse_proxies, trace_id_of
@@ -79,7 +81,7 @@ async def test_text_format_and_client_trace_id(tmp_path: Path) -> None:
 @pytest.mark.asyncio
 async def test_off_writes_nothing(tmp_path: Path) -> None:
     log = tmp_path / "access.log"
-    async with running_app(Settings(access_log_format="off", access_log_file=log)) as (client, app):
+    async with running_app(Settings(access_log_format="off", access_log_file=log)) as (client, _):
         r = await client.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 200
     assert not log.exists()
@@ -107,3 +109,10 @@ def test_text_values_stay_one_field() -> None:
     assert "\n" not in line and line.startswith('request_id="a b\\"\\nc" key=- status=200')
     assert trace_id_of({b"traceparent": b"00-" + b"0" * 32 + b"-b7ad6b7169203331-01"}) is None
     assert trace_id_of({b"traceparent": b"garbage"}) is None
+
+
+def test_tracing_off_imports_no_opentelemetry() -> None:
+    code = ("import sys; from server.app import create_app; from server.settings import Settings; "
+            "create_app(Settings()); assert not [m for m in sys.modules if m.startswith('opentelemetry')]; "
+            "assert 'server.tracing' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
