@@ -24,6 +24,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import logging.handlers
+import re
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -152,10 +153,14 @@ def _r(seconds: float) -> float:
     return round(seconds, 6)
 
 
+_UNSAFE = re.compile(r'[\s"\\=]')
+
+
 def _text(v: Any) -> str:
     if v is None:
         return "-"
-    s = str(v)
-    if not s or any(c in s for c in ' "\\=\n\r\t'):
-        return orjson.dumps(s).decode()  # quoted and escaped: one line, fields stay separable
-    return s
+    if type(v) is not str:
+        return str(v)
+    if not v or _UNSAFE.search(v):
+        return orjson.dumps(v).decode()  # quoted and escaped: one line, fields stay separable
+    return v
