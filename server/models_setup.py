@@ -126,7 +126,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
             max_model_len=None,  # the model's own (256 for all-MiniLM-L6-v2)
             max_num_seqs=min(s.max_num_seqs, 64),
             gpu_memory_utilization=s.embedding_gpu_memory_utilization,
-            profile_dir=engine.profile_dir,
+            profile_dir=None,  # profiling is for the generators (the pooling worker hung on stop_profile)
             profile_frontend=False,
             process_env=(("VLLM_CPU_OMP_THREADS_BIND", emb_bind),) if emb_bind else (),
         )

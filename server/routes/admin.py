@@ -28,6 +28,8 @@ async def metrics(request: Request) -> Response:
 async def _each_engine(gw: Any, method: str) -> int:
     n = 0
     for pool in gw.pools:
+        if pool.relays or pool.card.kind != "generate":  # the generators are profiled, not the embedding engine
+            continue
         for w in pool.workers:
             fn = getattr(w.engine, method, None)
             if fn is not None and w.alive:

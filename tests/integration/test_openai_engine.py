@@ -163,5 +163,5 @@ async def test_stream_overflow_gets_429_before_any_byte(real_gateway: GatewayPro
         else:
             assert r.headers["content-type"].startswith("text/event-stream")
             assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
-            assert raw.count(b'"text":') >= 24
+            assert b'"finish_reason":"length"' in raw  # all 24 tokens (an event may carry several)
     assert _unfinished(real_gateway.url) == 0
