@@ -1,17 +1,15 @@
-"""The worker pool: bounded queue, admission, priorities, dispatch,
-supervision, readiness and drain for the engines of one model.
+"""The worker pool of one model: bounded queue, admission, priorities,
+dispatch and drain (supervision and readiness: engine_adapter/supervision.py).
 
-A request first needs a slot on a worker (at most `slots` requests run on one
-engine at a time). Free slot: it runs at once on the least-loaded healthy
-worker. No free slot: it waits in a bounded priority queue (lower `priority`
-value first, as in vLLM; equal priorities keep arrival order). A full queue
-rejects at once (`QueueFull`, 429), a wait past `max_queue_wait` gives
-`QueueTimeout` (503) and the request never reaches an engine.
+A request needs a slot on a worker (at most `slots` run on one engine). Free
+slot: it runs at once on the worker the routing policy picks. Else it waits
+in a bounded priority queue (lower `priority` first, as in vLLM). A full
+queue rejects at once (`QueueFull`); a wait past `max_queue_wait` gives
+`QueueTimeout` and the request never reaches an engine.
 
-Each running request has its own channel: a producer task pumps the engine's
-deltas into it and the consumer (the HTTP handler) reads them. Cancelling the
-consumer (client disconnect), the request deadline and shutdown all cancel the
-producer, which aborts the engine request.
+Each running request has a channel: a producer task pumps the engine's deltas
+into it and the consumer reads them. A client disconnect, the deadline and
+shutdown all cancel the producer, which aborts the engine request.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -37,12 +35,11 @@ from engine_adapter.errors import (
     ShuttingDown,
 )
 from engine_adapter.lease import Ask, PoolLease, Slot
-from engine_adapter.readiness import probe_once
 from engine_adapter.routing.policy import RouteKey, RoutingPolicy
+from engine_adapter.supervision import EngineFactory, Supervision
 from engine_adapter.types import (
     Embedded,
     EmbeddingRequest,
-    Engine,
     EngineOutput,
     EngineStats,
     GenerationRequest,
@@ -55,8 +52,7 @@ from engine_adapter.workers import PoolCounters, Waiter, Worker
 
 logger = logging.getLogger(__name__)
 
-EngineFactory = Callable[[int], Engine]
-class WorkerPool:
+class WorkerPool(Supervision):
     def __init__(
         self,
         name: str,
@@ -199,11 +195,9 @@ class WorkerPool:
     async def acquire(
         self, ask: Ask | Sequence[GenerationRequest], session: str | None = None, model: str | None = None
     ) -> PoolLease:
-        """Admission: an engine slot for each request of `ask` (the prompts
-        of one client request; one pass-through call for upstream nodes), or
-        a `GatewayError` kind. `model`: the served name the requests carry
-        (a router's target); `session` is for routers, a pool balances by
-        load."""
+        """Admission: an engine slot per request of `ask` (one pass-through
+        call for upstream nodes), or a `GatewayError` kind. `model`: the
+        served name the requests carry (a router's target)."""
         name = model or self.name
         reqs: Sequence[GenerationRequest]
         if isinstance(ask, Sequence):
@@ -237,8 +231,7 @@ class WorkerPool:
         return PoolLease(call.model, [(call, slot)], self._run, self._relay, self._release_slot)
 
     async def _relay(self, slot: Slot, call: RelayCall) -> AsyncGenerator[bytes | RelayUsage, None]:
-        """Relay the node's answer to `call`; the slot is released at the
-        end, however it ends."""
+        """Relay the node's answer to `call`; the slot is released at the end."""
         self._running += 1
         self._idle.clear()
         try:
@@ -455,96 +448,3 @@ class WorkerPool:
             if self._running == 0:
                 self._idle.set()
             self._release(w)
-
-    # ---- supervision and readiness ----------------------------------------
-    def _on_dead(self, w: Worker, err: BaseException) -> None:
-        if not w.alive:
-            return
-        logger.error("%s worker %d died: %s; restarting", self.name, w.index, err)
-        w.alive = False
-        w.last_ready = None
-        self.policy.forget(w.index)  # its KV cache goes with it
-        for t in list(w.tasks):
-            t.cancel()
-        if self._accepting:
-            self._spawn(self._restart(w))
-
-    async def _restart(self, w: Worker) -> None:
-        delay, cap = self.restart_backoff
-        while self._accepting:
-            try:
-                await w.engine.stop()
-            except Exception:
-                logger.debug("stopping dead engine failed", exc_info=True)
-            try:
-                w.engine = self._factory(w.index)
-                await w.engine.start()
-            except Exception:
-                logger.exception("%s worker %d failed to restart; retry in %.0fs", self.name, w.index, delay)
-                await asyncio.sleep(delay)
-                delay = min(cap, delay * 2)
-                continue
-            w.alive = True
-            w.restarts += 1
-            logger.info("%s worker %d restarted", self.name, w.index)
-            await self._probe(w)
-            # wake waiters that can now be served
-            w.in_flight += 1
-            self._release(w)
-            return
-
-    async def _probe(self, w: Worker) -> None:
-        """A real 1-token generation (or a health call for embedding models)."""
-        if not w.alive:
-            return
-        try:
-            await asyncio.wait_for(probe_once(w.engine, self.name), self.probe_timeout)
-        except (TimeoutError, asyncio.TimeoutError):
-            logger.warning("%s worker %d: readiness probe timed out", self.name, w.index)
-            return
-        except EngineDead as e:
-            self._on_dead(w, e)
-            return
-        except Exception as e:
-            logger.warning("%s worker %d: readiness probe failed: %s", self.name, w.index, e)
-            return
-        w.last_ready = time.monotonic()
-
-    # Passive readiness: output the engine produced (Worker.saw_output)
-    # counts as a good probe, so an engine busy with real requests gets no
-    # probe requests, and an idle one is probed once per interval and stays
-    # ready for 1.5 intervals after its last sign of life. Each probe keeps a
-    # vLLM worker busy-polling its shared-memory queue for ~1 s afterwards
-    # (vLLM's SpinCondition), so an idle engine probed every half interval
-    # took ~0.4 of a core from the engines that serve. A hung engine turns
-    # not-ready at most 1.5 intervals (7.5 s at the default 5 s) after its
-    # last output or probe. False (`--readiness-probe active`), the old rule:
-    # only probes and finished requests count, idle engines are probed twice
-    # per interval, ready for one interval.
-    passive_readiness: bool = True
-
-    def _ready_window(self) -> float:
-        return self.readiness_interval * (1.5 if self.passive_readiness else 1.0)
-
-    async def _probe_loop(self, w: Worker) -> None:
-        half = self.readiness_interval / 2
-        stale_after = self.readiness_interval if self.passive_readiness else half
-        while True:
-            await asyncio.sleep(half)
-            seen = w.last_sign_of_life(self.passive_readiness)
-            fresh = seen is not None and time.monotonic() - seen < stale_after
-            if w.alive and not fresh:
-                await self._probe(w)
-
-    def alive_workers(self) -> int:
-        return sum(1 for w in self.workers if w.alive)
-
-    def ready_workers(self, now: float | None = None) -> int:
-        now = time.monotonic() if now is None else now
-        n = 0
-        for w in self.workers:
-            seen = w.last_sign_of_life(self.passive_readiness)
-            if w.alive and seen is not None and now - seen <= self._ready_window():
-                n += 1
-        return n
-

@@ -1,0 +1,131 @@
+"""Supervision and readiness of a WorkerPool's workers: a dead worker is
+restarted with back-off (its in-flight requests already failed cleanly), and
+readiness means a real generation recently (a probe, or with passive
+readiness any output the engine produced). WorkerPool (engine_adapter/pool.py)
+inherits this; the attributes and methods it relies on are declared here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from engine_adapter.errors import EngineDead
+from engine_adapter.readiness import probe_once
+from engine_adapter.routing.policy import RoutingPolicy
+from engine_adapter.types import Engine
+from engine_adapter.workers import Worker
+
+logger = logging.getLogger("engine_adapter.pool")
+
+EngineFactory = Callable[[int], Engine]
+
+
+class Supervision:
+    name: str
+    workers: list[Worker]
+    readiness_interval: float
+    probe_timeout: float
+    restart_backoff: tuple[float, float]
+    policy: RoutingPolicy
+    _accepting: bool
+    _factory: EngineFactory
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        raise NotImplementedError
+
+    def _release(self, w: Worker) -> None:
+        raise NotImplementedError
+
+    def _on_dead(self, w: Worker, err: BaseException) -> None:
+        if not w.alive:
+            return
+        logger.error("%s worker %d died: %s; restarting", self.name, w.index, err)
+        w.alive = False
+        w.last_ready = None
+        self.policy.forget(w.index)  # its KV cache goes with it
+        for t in list(w.tasks):
+            t.cancel()
+        if self._accepting:
+            self._spawn(self._restart(w))
+
+    async def _restart(self, w: Worker) -> None:
+        delay, cap = self.restart_backoff
+        while self._accepting:
+            try:
+                await w.engine.stop()
+            except Exception:
+                logger.debug("stopping dead engine failed", exc_info=True)
+            try:
+                w.engine = self._factory(w.index)
+                await w.engine.start()
+            except Exception:
+                logger.exception("%s worker %d failed to restart; retry in %.0fs", self.name, w.index, delay)
+                await asyncio.sleep(delay)
+                delay = min(cap, delay * 2)
+                continue
+            w.alive = True
+            w.restarts += 1
+            logger.info("%s worker %d restarted", self.name, w.index)
+            await self._probe(w)
+            # wake waiters that can now be served
+            w.in_flight += 1
+            self._release(w)
+            return
+
+    async def _probe(self, w: Worker) -> None:
+        """A real 1-token generation (or a health call for embedding models)."""
+        if not w.alive:
+            return
+        try:
+            await asyncio.wait_for(probe_once(w.engine, self.name), self.probe_timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            logger.warning("%s worker %d: readiness probe timed out", self.name, w.index)
+            return
+        except EngineDead as e:
+            self._on_dead(w, e)
+            return
+        except Exception as e:
+            logger.warning("%s worker %d: readiness probe failed: %s", self.name, w.index, e)
+            return
+        w.last_ready = time.monotonic()
+
+    # Passive readiness: output the engine produced (Worker.saw_output)
+    # counts as a good probe, so an engine busy with real requests gets no
+    # probe requests, and an idle one is probed once per interval and stays
+    # ready for 1.5 intervals after its last sign of life. Each probe keeps a
+    # vLLM worker busy-polling its shared-memory queue for ~1 s afterwards
+    # (vLLM's SpinCondition), so an idle engine probed every half interval
+    # took ~0.4 of a core from the engines that serve. A hung engine turns
+    # not-ready at most 1.5 intervals (7.5 s at the default 5 s) after its
+    # last output or probe. False (`--readiness-probe active`), the old rule:
+    # only probes and finished requests count, idle engines are probed twice
+    # per interval, ready for one interval.
+    passive_readiness: bool = True
+
+    def _ready_window(self) -> float:
+        return self.readiness_interval * (1.5 if self.passive_readiness else 1.0)
+
+    async def _probe_loop(self, w: Worker) -> None:
+        half = self.readiness_interval / 2
+        stale_after = self.readiness_interval if self.passive_readiness else half
+        while True:
+            await asyncio.sleep(half)
+            seen = w.last_sign_of_life(self.passive_readiness)
+            fresh = seen is not None and time.monotonic() - seen < stale_after
+            if w.alive and not fresh:
+                await self._probe(w)
+
+    def alive_workers(self) -> int:
+        return sum(1 for w in self.workers if w.alive)
+
+    def ready_workers(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        n = 0
+        for w in self.workers:
+            seen = w.last_sign_of_life(self.passive_readiness)
+            if w.alive and seen is not None and now - seen <= self._ready_window():
+                n += 1
+        return n
+
