@@ -6,6 +6,7 @@ collector, so the request path pays nothing for it.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter as CounterDict
 from collections.abc import Callable, Iterator
 
@@ -67,6 +68,22 @@ class PoolCollector(Collector):
         for (model, reason), n in self._other().items():
             rejected.add_metric([model, reason], n)
         yield from (depth, running, rejected, alive, ready, restarts, unfinished)
+
+
+class LoopCollector(Collector):
+    """The serving process's event loop, read at scrape time (a leak shows as
+    a count that grows while the load does not): `npugw_asyncio_tasks`, the
+    tasks not yet done. The scrape runs on the loop (the /metrics route, or
+    the multiprocess export); outside a running loop nothing is exported."""
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        tasks = GaugeMetricFamily("npugw_asyncio_tasks", "Tasks of the gateway's event loop that are not done.")
+        tasks.add_metric([], len(asyncio.all_tasks(loop)))
+        yield tasks
 
 
 class GatewayMetrics:
