@@ -53,6 +53,11 @@ class Lease(Protocol):
     @property
     def relayed(self) -> bool: ...
 
+    @property
+    def upstream(self) -> str | None:
+        """The URL of the node a passed-through request went to."""
+        ...
+
     def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]: ...
 
     def relay(self) -> AsyncGenerator[Relayed, None]: ...
@@ -72,7 +77,7 @@ class Slot:
 class PoolLease:
     """Slots on the workers of one WorkerPool, one per request."""
 
-    __slots__ = ("_held", "_relay", "_release", "_run", "requests", "served_by")
+    __slots__ = ("_held", "_relay", "_release", "_run", "requests", "served_by", "upstream")
 
     def __init__(
         self,
@@ -84,6 +89,8 @@ class PoolLease:
     ) -> None:
         self.served_by = served_by
         self.requests = [r for r, _ in held]
+        ep = getattr(held[0][1].opened, "ep", None) if held else None
+        self.upstream: str | None = getattr(ep, "url", None)
         self._held = held
         self._run = run
         self._relay = relay

@@ -3,8 +3,10 @@ response is over (streams included).
 
 Fields: time (the request's start, UTC), request id, trace id, key name
 (never the key), method, endpoint, model (as asked), target (what answered:
-an alias's choice, or the node's name), status, tokens (prompt, completion,
-cached), queue wait, TTFT, duration, and the client address. Prompts and
+an alias's choice, or the node's name), upstream (the node's URL, for a
+passed-through request), status, finish reason (`cancelled` when the client
+left, `error` when it failed after its status line), tokens (prompt,
+completion, cached), queue wait, TTFT, duration, and the client address. Prompts and
 outputs are never logged: nothing here sees a body.
 
 What the route learns (key name, model, target, tokens, queue wait, first
@@ -118,27 +120,7 @@ class AccessLog:
         end: float,
         trace_id: str | None,
     ) -> dict[str, Any]:
-        admit_at = state.get("t_admit")
-        admitted_at = state.get("t_admitted")
-        first_at = state.get("t_first")
-        return {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(start_wall)) + f".{int(start_wall % 1 * 1000):03d}Z",
-            "request_id": state.get("request_id"),
-            "trace_id": trace_id,
-            "key": state.get("key"),
-            "method": scope.get("method"),
-            "endpoint": scope.get("path"),
-            "model": state.get("model"),
-            "target": state.get("target"),
-            "status": status,
-            "prompt_tokens": state.get("prompt_tokens"),
-            "completion_tokens": state.get("completion_tokens"),
-            "cached_tokens": state.get("cached_tokens"),
-            "queue_wait": _r(admitted_at - admit_at) if admit_at is not None and admitted_at is not None else None,
-            "ttft": _r(first_at - start) if first_at is not None else None,
-            "duration": _r(end - start),
-            "client": client_address(scope, headers, self.proxies),
-        }
+        return build_record(scope, headers, state, status, start_wall, start, end, trace_id, self.proxies)
 
     def line(self, rec: dict[str, Any]) -> str:
         if self.fmt == "json":
@@ -147,6 +129,62 @@ class AccessLog:
 
     def write(self, rec: dict[str, Any]) -> None:
         self.logger.info(self.line(rec))
+
+
+def build_record(
+    scope: Mapping[str, Any],
+    headers: dict[bytes, bytes],
+    state: dict[str, Any],
+    status: int,
+    start_wall: float,
+    start: float,
+    end: float,
+    trace_id: str | None,
+    proxies: tuple[Network, ...],
+) -> dict[str, Any]:
+    """The one record of a finished request, whether it succeeded, failed or
+    was cancelled: the access log's line, the usage ledger's row, any other
+    sink's input (see `GatewayMiddleware.sinks`)."""
+    admit_at = state.get("t_admit")
+    admitted_at = state.get("t_admitted")
+    first_at = state.get("t_first")
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(start_wall)) + f".{int(start_wall % 1 * 1000):03d}Z",
+        "request_id": state.get("request_id"),
+        "trace_id": trace_id,
+        "key": state.get("key"),
+        "method": scope.get("method"),
+        "endpoint": scope.get("path"),
+        "model": state.get("model"),
+        "target": state.get("target"),
+        "upstream": state.get("upstream"),
+        "status": status,
+        "finish_reason": finish_reason(state, status),
+        "prompt_tokens": state.get("prompt_tokens"),
+        "completion_tokens": state.get("completion_tokens"),
+        "cached_tokens": state.get("cached_tokens"),
+        "queue_wait": _r(admitted_at - admit_at) if admit_at is not None and admitted_at is not None else None,
+        "ttft": _r(first_at - start) if first_at is not None else None,
+        "duration": _r(end - start),
+        "client": client_address(scope, headers, proxies),
+    }
+
+
+def finish_reason(state: dict[str, Any], status: int) -> str | None:
+    """How the request ended: `cancelled` (the client left), `error` (failed
+    after its status line), else the engines' finish reasons (`stop`,
+    `length`, ...; several joined by commas for n > 1)."""
+    outcome = state.get("outcome")
+    if outcome is not None:
+        return str(outcome)
+    if status == 499:
+        return "cancelled"
+    reasons = state.get("finish_reasons")
+    if not reasons:
+        return None
+    if len(reasons) == 1:
+        return str(next(iter(reasons)))
+    return ",".join(sorted(reasons))
 
 
 def _r(seconds: float) -> float:

@@ -21,7 +21,7 @@ from server.errors import install_error_handlers
 from server.limits import Limits
 from server.metrics import GatewayMetrics, LoopCollector, PoolCollector
 from server.metrics_multiproc import AppRegistry, LiveExport, multiprocess_registry
-from server.middleware import GatewayMiddleware
+from server.middleware import GatewayMiddleware, RecordSink
 from server.routes import (
     admin,
     chat,
@@ -131,9 +131,13 @@ def create_app(
     for r in (chat, completions, responses, messages, generate, embeddings, models, tokenize, health, admin):
         app.include_router(r.router)
     routing_admin.setup_routing(app, registry)  # /admin/routes, upstream metrics
+    # Every finished request's record goes to each sink (server/middleware.py);
+    # consumers append theirs to app.state.record_sinks.
+    record_sinks: list[RecordSink] = []
+    app.state.record_sinks = record_sinks
     app.add_middleware(
         GatewayMiddleware, metrics=gw_metrics, max_body=settings.max_request_body_bytes,
-        access_log=access_log, tracing=tracing,
+        access_log=access_log, tracing=tracing, sinks=record_sinks, proxies=parse_proxies(settings.trusted_proxies),
     )
     return app
 

@@ -213,6 +213,15 @@ class Generation:
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
             cached_tokens=self.cached_tokens,
         )
+        if self.relayed:
+            self.note["upstream"] = self.lease.upstream
+
+
+def note_outcome(note: dict[str, Any], outcome: str) -> None:
+    """How a request ended when its engines' finish reasons do not say it:
+    `cancelled` (the client left) or `error` (failed after its status
+    line). The first one noted stays."""
+    note.setdefault("outcome", outcome)
 
 
 async def admit(
@@ -284,9 +293,11 @@ def stream_response(
                         yield chunk
             yield tail()
         except GatewayError as e:
+            note_outcome(gen.note, "error")
             yield on_error(e)
         except Exception:
             logger.exception("stream failed")
+            note_outcome(gen.note, "error")
             yield on_error(EngineError("internal error while streaming; see the gateway log"))
         finally:
             gen.finish()
@@ -375,13 +386,16 @@ class SSEResponse(StreamingResponse):
                 await self.refuse(e)(scope, receive, send)
                 return
             except asyncio.CancelledError:
+                note_outcome(gen.note, "cancelled")
                 return  # the client left before the first token
             for k, v in gen.headers().items():  # known now: the target that answers
                 self.raw_headers.append((k.lower().encode("latin-1"), v.encode("latin-1")))
             stream = asyncio.ensure_future(self.stream_response(send))
             watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
             try:
-                await asyncio.wait((stream, watcher), return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait((stream, watcher), return_when=asyncio.FIRST_COMPLETED)
+                if stream not in done:
+                    note_outcome(gen.note, "cancelled")  # the client left mid-stream
             finally:
                 for task in (stream, watcher):
                     task.cancel()

@@ -1,6 +1,14 @@
 """Pure ASGI middleware (no per-request task, streams untouched): request id,
-body limit, content type, HTTP metrics, the access log line and the
-request's trace span.
+body limit, content type, HTTP metrics, the request's record (to the access
+log and the other record sinks) and the request's trace span.
+
+Record sinks: `sinks` is a list of callables, each given the record dict of
+every finished request (server/access_log.py `build_record`: succeeded,
+failed or cancelled, streams when their last byte is out). The app keeps
+the list as `app.state.record_sinks`; a consumer (the usage ledger, the
+console's recent requests) appends to it. A sink runs on the event loop
+after the response: it must be quick and must not await; one that raises
+is logged, and the others still run.
 
 One middleware, so one send and one receive wrapper per request: every SSE
 chunk goes through each wrapper in the stack. It never reads or buffers a
@@ -14,13 +22,14 @@ import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapter.errors import GatewayError, InvalidRequest, RequestTooLarge, UnsupportedMediaType
-from server.access_log import AccessLog, trace_id_of
+from server.access_log import AccessLog, Network, build_record, trace_id_of
 from server.errors import error_headers, shape_for
 from server.metrics import GatewayMetrics
 
@@ -29,6 +38,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _JSON_ROUTES = ("/v1/", "/tokenize", "/detokenize", "/admin/", "/generate")
+RecordSink = Callable[[dict[str, Any]], None]
 
 
 class GatewayMiddleware:
@@ -39,12 +49,16 @@ class GatewayMiddleware:
         max_body: int,
         access_log: AccessLog | None = None,
         tracing: Tracing | None = None,
+        sinks: list[RecordSink] | None = None,
+        proxies: tuple[Network, ...] = (),
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body = max_body
         self.access_log = access_log
         self.tracing = tracing
+        self.sinks: list[RecordSink] = sinks if sinks is not None else []  # the app's list: appended to later
+        self.proxies = access_log.proxies if access_log is not None else proxies
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -100,10 +114,12 @@ class GatewayMiddleware:
             raise
         finally:
             end = time.perf_counter()
+            if status == 500 and "t_response" not in state and state.get("outcome") == "cancelled":
+                status = 499  # a stream whose client left before its first token ends quietly
             route = scope.get("route")
             path = getattr(route, "path", None) or "other"
             self.metrics.http_done(path, scope["method"], 500 if status == 499 else status, end - start)
-            if self.access_log is not None or span is not None:
+            if self.access_log is not None or span is not None or self.sinks:
                 self._observe(scope, headers, state, status, start_wall, start, end, span)
 
     def _observe(
@@ -117,7 +133,8 @@ class GatewayMiddleware:
         end: float,
         span: object,
     ) -> None:
-        """The access log line and the trace; neither may fail the request."""
+        """The record to the access log and the sinks, and the trace; none may
+        fail the request."""
         rec = None
         trace_id = None
         try:
@@ -125,13 +142,20 @@ class GatewayMiddleware:
                 trace_id = format(span.get_span_context().trace_id, "032x")  # type: ignore[attr-defined]
             else:
                 trace_id = trace_id_of(headers)
-            if self.access_log is not None:
-                rec = self.access_log.record(scope, headers, state, status, start_wall, start, end, trace_id)
+            if self.access_log is not None or self.sinks:
+                rec = build_record(scope, headers, state, status, start_wall, start, end, trace_id, self.proxies)
+            if self.access_log is not None and rec is not None:
                 self.access_log.write(rec)
             if span is not None and self.tracing is not None:
                 self.tracing.end(span, scope, state, rec, status, int(start_wall * 1e9), start, end)  # type: ignore[arg-type]
         except Exception:
             logger.exception("access log / trace of request %s failed", state.get("request_id"))
+        if rec is not None:
+            for sink in self.sinks:
+                try:
+                    sink(rec)
+                except Exception:
+                    logger.exception("record sink %r failed on request %s", sink, state.get("request_id"))
 
     def _precheck(self, scope: Scope, headers: dict[bytes, bytes]) -> GatewayError | None:
         if scope["method"] not in ("POST", "PUT", "PATCH"):

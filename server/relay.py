@@ -16,7 +16,7 @@ from engine_adapter.lease import Relayed
 from engine_adapter.types import RelayCall, RelayUsage
 from server import sse
 from server.errors import error_response
-from server.generation import Generation, SSEResponse, openai_stream_error, until_disconnect
+from server.generation import Generation, SSEResponse, note_outcome, openai_stream_error, until_disconnect
 
 
 async def _first_bytes(items: AsyncGenerator[Relayed, None], gen: Generation) -> bytes:
@@ -58,6 +58,7 @@ async def relay_response(request: Request, gen: Generation) -> Response:
                 else:
                     yield item
         except GatewayError as e:
+            note_outcome(gen.note, "error")
             yield openai_stream_error(e if isinstance(e, EngineError) else EngineError(e.message, code=e.code))
         finally:
             await items.aclose()

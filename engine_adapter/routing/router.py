@@ -360,6 +360,10 @@ class RouterLease:
     def relayed(self) -> bool:
         return self._inner.relayed
 
+    @property
+    def upstream(self) -> str | None:
+        return self._inner.upstream
+
     def _deadline(self) -> float:
         return min((r.deadline for r in self._inner.requests if r.deadline is not None), default=math.inf)
 
