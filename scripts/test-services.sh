@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Install the servers the end-to-end tests start themselves (nginx,
-# Prometheus/promtool). Needs root or sudo; skips what is already there.
+# Prometheus/promtool) and the browser the console test drives (Debian's
+# chromium, through Playwright). Needs root or sudo; skips what is already there.
 set -euo pipefail
 need=()
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   echo "[test-services] installing ${need[*]}"

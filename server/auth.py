@@ -185,6 +185,13 @@ async def authenticate(request: Request) -> Principal:
 
 async def require_admin(request: Request) -> Principal:
     store: KeyStore = request.app.state.keys
+    # The console's session cookie (server/console/sessions.py) stands for
+    # the admin key on reads, so the console's page never holds the key.
+    session = getattr(request.app.state, "admin_session", None)
+    if session is not None and request.method in ("GET", "HEAD") and key_from_headers(request) is None:
+        p: Principal | None = session(request)
+        if p is not None:
+            return p
     if store.open and store.has_admin_key:
         key = key_from_headers(request)
         entry = store.lookup(key) if key is not None else None
