@@ -17,6 +17,7 @@ from engine_adapter.metrics import EngineMetrics
 from engine_adapter.pool import WorkerPool
 from server.access_log import AccessLog, parse_proxies
 from server.auth import KeyStore
+from server.console import setup_console
 from server.errors import install_error_handlers
 from server.limits import Limits
 from server.metrics import GatewayMetrics, LoopCollector, PoolCollector
@@ -91,6 +92,7 @@ def create_app(
             await asyncio.gather(*(start(p) for p in gw.pools))
             routing_admin.start_routing(app, gw)  # aliases and fallbacks over started pools; SIGHUP reloads
             monitor = await start_device_monitor(settings, registry)
+            app.state.device_monitor = monitor  # the console's device memory
             if live_export is not None:
                 live_export.start()
             logger.info("serving %s", ", ".join(gw.models))
@@ -135,6 +137,7 @@ def create_app(
     # consumers append theirs to app.state.record_sinks.
     record_sinks: list[RecordSink] = []
     app.state.record_sinks = record_sinks
+    record_sinks.append(setup_console(app).record)  # /console: its recent requests and latency history
     app.add_middleware(
         GatewayMiddleware, metrics=gw_metrics, max_body=settings.max_request_body_bytes,
         access_log=access_log, tracing=tracing, sinks=record_sinks, proxies=parse_proxies(settings.trusted_proxies),
