@@ -63,6 +63,9 @@ class GenerationRequest:
     # False: the client takes the whole answer at once; an engine may then
     # produce it in one piece (the remote backend makes one non-streamed call)
     stream: bool = True
+    # the request span's W3C trace context (traceparent, tracestate), for an
+    # engine that traces itself (vLLM with --engine-arg otlp_traces_endpoint=...)
+    trace_headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +136,20 @@ class TokenLogprob:
     top: tuple[tuple[int, str, float], ...] = ()  # (token id, text, logprob)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineTimings:
+    """An engine's own account of one finished request, in seconds: waiting
+    in its scheduler's queue, the prefill (scheduled to first token), the
+    decode (first to last token) and the whole inference (scheduled to last
+    token). vLLM's names: gen_ai.latency.time_in_queue,
+    time_in_model_prefill, time_in_model_decode, time_in_model_inference."""
+
+    queued: float
+    prefill: float
+    decode: float
+    inference: float
+
+
 @dataclass(slots=True)
 class EngineOutput:
     """One delta of one choice (`index`) of one request."""
@@ -147,6 +164,7 @@ class EngineOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: Sequence[TokenLogprob | None] | None = None
+    timings: EngineTimings | None = None  # on a finished choice's last output, when the engine keeps them
 
     @property
     def finished(self) -> bool:

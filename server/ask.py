@@ -14,6 +14,11 @@ import orjson
 from engine_adapter.types import GenerationRequest, RelayCall
 
 
+def engine_trace(headers: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """The W3C trace context among the headers a request forwards."""
+    return tuple((k, v) for k, v in headers if k in ("traceparent", "tracestate"))
+
+
 class RouteAsk:
     """Subclasses build the local requests in `build(pool)`."""
 
@@ -53,7 +58,11 @@ class RouteAsk:
         key = id(pool.tokenizer)
         reqs = self._built.get(key)
         if reqs is None:
-            reqs = self._built[key] = self.build(pool)
+            reqs = self.build(pool)
+            trace = engine_trace(self.forward)
+            if trace:  # for an engine that traces itself (vLLM's own spans join the request's trace)
+                reqs = [replace(r, trace_headers=trace) for r in reqs]
+            self._built[key] = reqs
         return [r if r.model == model else replace(r, model=model) for r in reqs]
 
     def relay(self, model: str) -> RelayCall:

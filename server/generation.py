@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import orjson
@@ -34,7 +35,7 @@ from engine_adapter.errors import EngineError, GatewayError
 from engine_adapter.lease import Lease
 from engine_adapter.types import EngineOutput, GenerationRequest, RelayUsage
 from server import sse
-from server.ask import RouteAsk
+from server.ask import RouteAsk, engine_trace
 from server.auth import Principal
 from server.errors import error_event, error_response
 from server.limits import Admission
@@ -176,6 +177,8 @@ class Generation:
                         cached[p] = out.cached_tokens
                     if out.finish_reason is not None:
                         note.setdefault("finish_reasons", set()).add(out.finish_reason)
+                        if out.timings is not None:  # the engine's own queue/prefill/decode times (the trace)
+                            note["engine_timings"] = out.timings
                 yield p, batch
 
     async def close(self) -> None:
@@ -236,6 +239,9 @@ async def admit(
     target an alias picks, in the form it takes: `ask`). Raises a
     `GatewayError` kind; returns only when the request will run."""
     if isinstance(ask, list):
+        trace = engine_trace(forwarded(request))
+        if trace:
+            ask = [replace(r, trace_headers=trace) for r in ask]
         budget = sum(len(r.prompt_token_ids) + r.sampling.max_tokens * r.sampling.n for r in ask)
     else:
         budget = ask.budget()

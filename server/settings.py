@@ -165,6 +165,26 @@ class Settings(BaseSettings):
     )
     upstream_connect_timeout: float = Field(2.0, gt=0, description="seconds to connect to an upstream")
     upstream_read_timeout: float = Field(
+    # --- the usage ledger and budgets (server/usage) ---
+    usage_db: str | None = Field(
+        None,
+        description="usage ledger: a SQLite file, sqlite:///PATH, postgresql://USER:PASSWORD@HOST:PORT/DB (shared "
+        "by replicas: one ledger, one set of budgets) or an SQLAlchemy async URL; default DATA_DIR/usage.db; "
+        "'none': no ledger (budgets then count in this process's memory only)",
+    )
+    usage_flush_interval: float = Field(
+        0.5, gt=0, description="seconds between the ledger's batch writes (and budget refreshes from the database)"
+    )
+    usage_batch_size: int = Field(500, ge=1, description="records per ledger write (a full batch is written at once)")
+    usage_buffer_size: int = Field(
+        20000, ge=1, description="records the ledger holds in memory; past that they go straight to the spool"
+    )
+    usage_write_timeout: float = Field(
+        5.0, gt=0, description="seconds a ledger write may take before its records go to the spool"
+    )
+    usage_spool_dir: Path | None = Field(
+        None, description="where records wait while the ledger's database is down (default DATA_DIR/usage-spool)"
+    )
         30.0, gt=0, description="seconds an upstream may stay silent (before its headers, between chunks)"
     )
     upstream_health_interval: float = Field(5.0, gt=0, description="seconds between upstream health checks")

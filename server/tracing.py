@@ -172,6 +172,14 @@ class Tracing:
                 # from the engine's (or node's) view: waiting + prefill, then decode
                 work.set_attribute("gen_ai.latency.time_to_first_token", t_first - t_admitted)
                 work.set_attribute("gen_ai.latency.time_in_model_decode", max(0.0, t_done - t_first))
+            timings = state.get("engine_timings")
+            if timings is not None:  # the engine's own account (vLLM's per-request stats), vLLM's names
+                work.set_attributes({
+                    "gen_ai.latency.time_in_queue": timings.queued,
+                    "gen_ai.latency.time_in_model_prefill": timings.prefill,
+                    "gen_ai.latency.time_in_model_decode": timings.decode,
+                    "gen_ai.latency.time_in_model_inference": timings.inference,
+                })
             work.end(end_time=ns(max(t_done, t_admitted)))
         if t_response is not None and t_admitted is not None:  # a refusal's error body is no stream
             st = tracer.start_span("gateway.stream", context=ctx, start_time=ns(t_response))

@@ -21,6 +21,7 @@ from engine_adapter.types import (
     EmbeddingRequest,
     EngineOutput,
     EngineStats,
+    EngineTimings,
     GenerationRequest,
     ModelCard,
     SamplingOptions,
@@ -203,6 +204,22 @@ def unfinished_requests(llm: Any) -> int:
     return int(get())
 
 
+def engine_timings(m: Any) -> EngineTimings | None:
+    """vLLM's own times of a finished request, from the RequestStateStats its
+    last RequestOutput carries (`metrics`: None when the engine keeps no
+    stats), computed as vLLM's tracing computes them
+    (OutputProcessor.do_tracing). The timestamps are the engine core's, one
+    monotonic clock; a request never scheduled has none."""
+    if m is None or not m.scheduled_ts or not m.first_token_ts:
+        return None
+    return EngineTimings(
+        queued=max(0.0, m.scheduled_ts - m.queued_ts) if m.queued_ts else 0.0,
+        prefill=m.first_token_ts - m.scheduled_ts,
+        decode=m.last_token_ts - m.first_token_ts,
+        inference=m.last_token_ts - m.scheduled_ts,
+    )
+
+
 class VllmEngine:
     """One AsyncLLM (one EngineCore process or one TP/PP group of them)."""
 
@@ -348,8 +365,11 @@ class VllmEngine:
         k = req.sampling.logprobs or 0
         pk = req.sampling.prompt_logprobs or 0
         first = True
+        # the request span's context, when vLLM traces too (else vLLM drops it with a warning)
+        trace = dict(req.trace_headers) if req.trace_headers and self.config.extra.get("otlp_traces_endpoint") else None
         try:
-            async for ro in llm.generate(prompt, params, req.request_id, priority=req.priority):
+            async for ro in llm.generate(prompt, params, req.request_id, priority=req.priority, trace_headers=trace):
+                timings = engine_timings(getattr(ro, "metrics", None)) if ro.finished else None
                 plp = None
                 if first and ro.prompt_logprobs is not None and ro.prompt_token_ids:
                     plp = convert_logprobs(ro.prompt_token_ids, ro.prompt_logprobs, pk)
@@ -370,6 +390,7 @@ class VllmEngine:
                         prompt_tokens=n_prompt,
                         cached_tokens=cached,
                         prompt_logprobs=plp,
+                        timings=timings if co.finish_reason is not None else None,
                     )
                     plp = None
                 first = False
