@@ -83,9 +83,9 @@ def wait_post_ok(url: str, srv: Server | None, timeout: float = 90) -> None:
 def make_target(kind: str, port: int, upstream: str, tmp: Path, args: argparse.Namespace) -> Server | None:
     if kind == "direct":
         return None
-    if kind in ("ours", "ours-before"):
+    if kind in ("ours", "ours-2proc", "ours-before"):
         cmd, env, cwd = gateway_command(args.before if kind == "ours-before" else None)
-        if kind == "ours":
+        if kind != "ours-before":
             # what a user runs for a gateway tier: no local engine, the node's
             # model id learned from its /v1/models, requests passed through
             local = ["--model", "none"]
@@ -106,6 +106,7 @@ def make_target(kind: str, port: int, upstream: str, tmp: Path, args: argparse.N
             "--log-level",
             "warning",
             *args.ours_extra.split(),
+            *(["--workers", "2"] if kind == "ours-2proc" else []),
         ]
         return Server(f"overhead-{kind}", argv, f"http://127.0.0.1:{port}/health", env=env, cwd=cwd, ready_timeout=60)
     if kind == "litellm":
@@ -265,7 +266,8 @@ def main() -> None:
         "--targets",
         nargs="+",
         default=["direct", "ours", "litellm", "vllm-router"],
-        choices=["direct", "ours", "litellm", "vllm-router"],
+        choices=["direct", "ours", "ours-2proc", "litellm", "vllm-router"],
+        help="ours-2proc: ours with --workers 2 (two gateway processes on one port; labelled, not the default)",
     )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--chunks", type=int, default=64)
@@ -391,6 +393,8 @@ def main() -> None:
                     a[f"{t}_{m}"] = median(vals)
                     a[f"{t}_{m}_min"] = min(vals)
                     a[f"{t}_{m}_max"] = max(vals)
+        if a.get("st_c64_cpu_s_per_1k") is not None:  # per streamed chunk, the stream's fixed cost included
+            a["st_c64_cpu_us_per_chunk"] = a["st_c64_cpu_s_per_1k"] * 1000 / args.chunks
         agg[kind] = a
     d = agg.get("direct", {})
     for kind, a in agg.items():
@@ -412,6 +416,7 @@ def main() -> None:
         ("st_c64_req_s", f"streams/s (c={hc})"),
         ("st_c64_errors", "errors"),
         ("st_c64_cpu_s_per_1k", "CPU s / 1k streams"),
+        ("st_c64_cpu_us_per_chunk", "CPU us / chunk"),
     ]
     rows = []
     for kind in args.targets:
