@@ -39,6 +39,7 @@ from server.routes import (
 from server.settings import Settings
 from server.state import Gateway
 
+from server.usage import setup_usage, start_usage, stop_usage
 if TYPE_CHECKING:
     from server.tracing import Tracing
 
@@ -75,6 +76,7 @@ def create_app(
         gw = Gateway(settings, served)
         gw.limits = Limits(gw_metrics)
         holder["gw"] = gw
+        gw.limits.budgets = app.state.usage.budgets  # server/usage: the keys' budgets at admission
         app.state.gateway = gw
         started: list[WorkerPool] = []
         monitor = None
@@ -90,6 +92,7 @@ def create_app(
             tracing.start()
         try:
             await asyncio.gather(*(start(p) for p in gw.pools))
+            await start_usage(app)  # the usage ledger: migrations, budgets from the database, its writer
             routing_admin.start_routing(app, gw)  # aliases and fallbacks over started pools; SIGHUP reloads
             monitor = await start_device_monitor(settings, registry)
             app.state.device_monitor = monitor  # the console's device memory
@@ -105,6 +108,7 @@ def create_app(
             await asyncio.gather(*(p.stop(settings.shutdown_timeout) for p in started))
             if monitor is not None:
                 await monitor.stop()
+            await stop_usage(app)  # the usage ledger writes (or spools) what is left
             if tracing is not None:
                 await asyncio.to_thread(tracing.stop)  # flushes the last spans
             if access_log is not None:
@@ -141,6 +145,7 @@ def create_app(
     app.add_middleware(
         GatewayMiddleware, metrics=gw_metrics, max_body=settings.max_request_body_bytes,
         access_log=access_log, tracing=tracing, sinks=record_sinks, proxies=parse_proxies(settings.trusted_proxies),
+    setup_usage(app, settings, registry)  # the usage ledger (a record sink), budgets, /admin/usage, metrics
     )
     return app
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
+from datetime import date, datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import yaml
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
 from engine_adapter.errors import AuthenticationError, PermissionDenied
 from server.settings import Settings
@@ -30,6 +32,15 @@ class KeyEntry:
     max_concurrent: int | None = None
     priority: int | None = None
     admin: bool = False
+    # budgets (server/usage/budgets.py), enforced from the usage ledger
+    tokens_per_day: int | None = None
+    tokens_per_month: int | None = None
+    requests_per_day: int | None = None
+    requests_per_month: int | None = None
+    expires_at: float | None = None  # seconds since 1970 (UTC)
+
+
+BUDGET_NAMES = ("tokens_per_day", "tokens_per_month", "requests_per_day", "requests_per_month")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +84,43 @@ class _KeyFileEntry(BaseModel):
     max_concurrent: PositiveInt | None = None
     priority: int | None = None
     admin: bool = False
+    tokens_per_day: PositiveInt | None = None
+    tokens_per_month: PositiveInt | None = None
+    requests_per_day: PositiveInt | None = None
+    requests_per_month: PositiveInt | None = None
+    # a date (the key stops working at 00:00 UTC that day) or a date and time
+    # (UTC unless it says otherwise); YAML reads either unquoted, a string works too
+    expires_at: datetime | date | None = None
+
+    @field_validator("expires_at", mode="before")
+    @classmethod
+    def _when(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return parse_when(v)
+        return v
+
+
+def parse_when(v: str) -> datetime:
+    """`2026-12-31` or an ISO 8601 date and time -> an aware datetime (UTC
+    when no offset is given); raises ValueError."""
+    text = v.strip()
+    if text.endswith(("Z", "z")):
+        text = text[:-1] + "+00:00"
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"{v!r} is not an ISO 8601 date or date and time") from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+
+
+def epoch_of(when: datetime | date | None) -> float | None:
+    if when is None:
+        return None
+    if not isinstance(when, datetime):
+        when = datetime(when.year, when.month, when.day)
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.timestamp()
 
 
 class KeysFileError(ValueError):
@@ -109,6 +157,11 @@ def load_keys_file(path: Path) -> list[KeyEntry]:
                 max_concurrent=k.max_concurrent,
                 priority=k.priority,
                 admin=k.admin,
+                tokens_per_day=k.tokens_per_day,
+                tokens_per_month=k.tokens_per_month,
+                requests_per_day=k.requests_per_day,
+                requests_per_month=k.requests_per_month,
+                expires_at=epoch_of(k.expires_at),
             )
         )
     names = [e.name for e in out]
@@ -180,6 +233,9 @@ async def authenticate(request: Request) -> Principal:
     entry = store.lookup(key)
     if entry is None:
         raise AuthenticationError("Incorrect API key provided.")
+    budgets = getattr(request.app.state, "budgets", None)  # server/usage: expiry may be changed at run time
+    if budgets is not None:
+        budgets.check_expiry(entry)
     return Principal(name=entry.name, entry=entry)
 
 

@@ -12,10 +12,14 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine_adapter.errors import GatewayError, RateLimited
 from server.auth import KeyEntry, Principal
 from server.metrics import GatewayMetrics
+
+if TYPE_CHECKING:
+    from server.usage.budgets import BudgetBook
 
 WINDOW = 60.0
 
@@ -45,7 +49,7 @@ class _Usage:
 class Admission:
     """One admitted request's hold on its key's limits."""
 
-    __slots__ = ("_done", "_entry", "_headers", "_limits", "_model", "_slot", "_usage")
+    __slots__ = ("_budget", "_done", "_entry", "_headers", "_limits", "_model", "_slot", "_usage")
 
     def __init__(
         self,
@@ -55,7 +59,9 @@ class Admission:
         slot: list[float] | None,
         model: str,
         headers: dict[str, str],
+        budget: str | None = None,
     ) -> None:
+        self._budget = budget  # the key whose budgets hold this request in flight
         self._limits = limits
         self._entry = entry
         self._usage = usage
@@ -71,6 +77,8 @@ class Admission:
         if self._done:
             return
         self._done = True
+        if self._budget is not None and self._limits.budgets is not None:
+            self._limits.budgets.release(self._budget)
         tokens = prompt + completion
         u = self._usage
         if u is not None:
@@ -89,12 +97,32 @@ class Limits:
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
         self._usage: dict[str, _Usage] = {}
+        self.budgets: BudgetBook | None = None  # server/usage: per day and month, from the ledger
 
     async def admit(self, principal: Principal, model: str, tokens: int) -> Admission:
         e = principal.entry
+        held: str | None = None
+        budget_headers: dict[str, str] = {}
+        if e is not None and self.budgets is not None:
+            try:
+                held, budget_headers = self.budgets.admit(e)  # raises when a budget is spent
+            except GatewayError:
+                self.metrics.rejected(model, "key_budget")
+                raise
+        try:
+            return self._admit(principal, model, tokens, held, budget_headers)
+        except BaseException:
+            if held is not None and self.budgets is not None:
+                self.budgets.release(held)
+            raise
+
+    def _admit(
+        self, principal: Principal, model: str, tokens: int, held: str | None, budget_headers: dict[str, str]
+    ) -> Admission:
+        e = principal.entry
         if e is None or not (e.requests_per_minute or e.tokens_per_minute or e.max_concurrent):
             self.metrics.key_request(principal.name, model)
-            return Admission(self, e, None, None, model, {})
+            return Admission(self, e, None, None, model, budget_headers, held)
         now = time.monotonic()
         u = self._usage.setdefault(e.name, _Usage())
         u.trim(now)
@@ -124,7 +152,7 @@ class Limits:
         u.token_sum += tokens
         u.concurrent += 1
         self.metrics.key_request(e.name, model)
-        return Admission(self, e, u, slot, model, self._headers(e, u, now))
+        return Admission(self, e, u, slot, model, {**self._headers(e, u, now), **budget_headers}, held)
 
     def _headers(self, e: KeyEntry, u: _Usage, now: float) -> dict[str, str]:
         h: dict[str, str] = {}

@@ -1,0 +1,354 @@
+"""The usage ledger: one row per finished API request, written off the
+request path.
+
+The middleware hands every request's record to `Ledger.sink` (a record
+sink, server/middleware.py), which only appends it to a bounded in-memory
+buffer. A background task writes the buffer in batches (every
+`--usage-flush-interval` seconds, or at once when a batch is full), with
+the daily rollups budgets read, in one transaction, then refreshes the
+budgets from the database. A database that is slow or down never delays or
+fails a request: a write that fails or takes longer than
+`--usage-write-timeout` goes to the spool (server/usage/spool.py), as does
+a record that finds the buffer full, and the spool is replayed when the
+database answers again. So the ledger ends with one row per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import Counter, deque
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from server.store import Database, _sqlite_pragmas
+from server.usage import schema
+from server.usage.budgets import BudgetBook, counts
+from server.usage.migrate import upgrade
+from server.usage.periods import day_of, month_days, month_of, parse_record_time
+from server.usage.spool import Spool
+
+logger = logging.getLogger(__name__)
+
+# The API's paths: a record of any other (probes, /metrics, /admin, the console) is not usage.
+API_PATHS = ("/v1/", "/generate", "/tokenize", "/detokenize")
+
+
+def database_url(value: str) -> str:
+    """`sqlite:///PATH`, `postgresql://...` or an SQLAlchemy async URL -> an async URL."""
+    for plain, driver in (("sqlite://", "sqlite+aiosqlite://"), ("postgresql://", "postgresql+asyncpg://"),
+                          ("postgres://", "postgresql+asyncpg://")):
+        if value.startswith(plain):
+            return driver + value[len(plain):]
+    return value
+
+
+class LedgerDatabase(Database):
+    """store.Database, with the ledger's migrations instead of create_all,
+    and short connect and command timeouts (the writer spools instead of
+    waiting)."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        super().__init__(url, schema.metadata)
+        self.timeout = timeout
+
+    async def _open(self) -> AsyncEngine:
+        sqlite_db = self.url.startswith("sqlite")
+        if sqlite_db:
+            path = self.url.split(":///", 1)[1]
+            if path and path != ":memory:":
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            args: dict[str, Any] = {"timeout": self.timeout}
+        else:
+            args = {"timeout": self.timeout, "command_timeout": self.timeout}
+        engine = create_async_engine(self.url, connect_args=args, pool_pre_ping=not sqlite_db)
+        if sqlite_db:
+            from sqlalchemy import event
+
+            event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        try:
+            async with engine.begin() as conn:
+                await conn.run_sync(upgrade)
+        except BaseException:
+            await engine.dispose()
+            raise
+        return engine
+
+    async def drop_engine(self) -> None:
+        """Forget the engine (a lost server: reconnect and re-check on next use)."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            try:
+                await engine.dispose()
+            except Exception:
+                logger.debug("disposing the ledger's engine failed", exc_info=True)
+
+
+def to_row(rec: dict[str, Any], rid: str) -> dict[str, Any]:
+    ts = parse_record_time(rec["time"])
+    return {
+        "id": rid, "ts": ts, "month": month_of(ts), "request_id": rec.get("request_id"),
+        "key": rec.get("key") or "", "method": rec.get("method"), "endpoint": rec.get("endpoint") or "",
+        "model": rec.get("model"), "target": rec.get("target"), "upstream": rec.get("upstream"),
+        "status": rec["status"], "finish_reason": rec.get("finish_reason"),
+        "prompt_tokens": rec.get("prompt_tokens") or 0, "completion_tokens": rec.get("completion_tokens") or 0,
+        "cached_tokens": rec.get("cached_tokens") or 0, "queue_wait": rec.get("queue_wait"),
+        "ttft": rec.get("ttft"), "duration": rec.get("duration") or 0.0,
+    }
+
+
+class Ledger:
+    def __init__(
+        self,
+        url: str | None,
+        spool_dir: Path,
+        budgets: BudgetBook,
+        *,
+        batch_size: int = 500,
+        buffer_size: int = 20000,
+        flush_interval: float = 0.5,
+        write_timeout: float = 5.0,
+        retry_interval: float = 2.0,
+    ) -> None:
+        self.db = LedgerDatabase(url, write_timeout) if url is not None else None
+        self.spool = Spool(spool_dir)
+        self.budgets = budgets
+        self.batch_size = batch_size
+        self.buffer_size = buffer_size
+        self.flush_interval = flush_interval
+        self.write_timeout = write_timeout
+        self.retry_interval = retry_interval
+        self.counts: Counter[str] = Counter()  # written, spooled, replayed, write_errors
+        self.healthy = False
+        self._buffer: deque[dict[str, Any]] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._retry_at = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.db is not None
+
+    # ---- the request path ----
+    def sink(self, rec: dict[str, Any]) -> None:
+        """A finished request's record (a record sink: quick, never awaits)."""
+        endpoint = rec.get("endpoint") or ""
+        if not endpoint.startswith(API_PATHS):
+            return
+        row = to_row(rec, os.urandom(16).hex())
+        key = row["key"]
+        if key in self.budgets.effective:
+            self.budgets.recorded(key, row["ts"], int(counts(row)), row["prompt_tokens"] + row["completion_tokens"])
+        if self.db is None:
+            return
+        if len(self._buffer) >= self.buffer_size:
+            self._spool([row])  # full: to the disk at once, never dropped
+            return
+        self._buffer.append(row)
+        if len(self._buffer) >= self.batch_size:
+            self._wake.set()
+
+    # ---- life ----
+    async def start(self, wait: float) -> None:
+        """Migrate and read the budgets (up to `wait` seconds: a database
+        that is down does not stop the gateway), then write in the background."""
+        if self.db is None:
+            return
+        try:
+            await asyncio.wait_for(self._connect(), wait)
+        except Exception as e:  # TimeoutError too
+            logger.warning("usage ledger: database not available at start (%s); records are spooled "
+                           "until it is", _short(e))
+            await self.db.drop_engine()
+            self._retry_at = time.monotonic() + self.retry_interval
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="usage-ledger")
+
+    async def _connect(self) -> None:
+        assert self.db is not None
+        async with self.db.begin() as conn:
+            await self._refresh(conn)
+        self.healthy = True
+
+    async def close(self) -> None:
+        """Write what is left (to the spool if the database does not take it)."""
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await self._task
+            except Exception:
+                logger.exception("usage ledger: the writer failed")
+            self._task = None
+        if self._buffer:
+            self._spool(list(self._buffer))
+            self._buffer.clear()
+        self.spool.close()
+        if self.db is not None:
+            await self.db.close()
+
+    async def flush(self) -> None:
+        """Write the buffer now (tests, the CLI)."""
+        await self._cycle()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.flush_interval)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            closing = self._closing
+            try:
+                await self._cycle(final=closing)
+            except Exception:
+                logger.exception("usage ledger: a write cycle failed")
+            if closing:
+                return
+
+    # ---- writing ----
+    async def _cycle(self, final: bool = False) -> None:
+        assert self.db is not None
+        if time.monotonic() < self._retry_at and not final:
+            if self._buffer:  # the database is down: keep the records on disk meanwhile
+                self._spool(self._take(len(self._buffer)))
+            return
+        batch: list[dict[str, Any]] = []
+        try:
+            if self.spool.pending():
+                await asyncio.wait_for(self._replay(), self.write_timeout * 4)
+            while self._buffer:
+                batch = self._take(self.batch_size)
+                await asyncio.wait_for(self._write(batch), self.write_timeout)
+                self.counts["written"] += len(batch)
+                batch = []
+            async with self.db.begin() as conn:
+                await asyncio.wait_for(self._refresh(conn), self.write_timeout)
+            self.healthy = True
+        except Exception as e:
+            self.counts["write_errors"] += 1
+            if self.healthy:
+                logger.warning("usage ledger: database write failed (%s); spooling to %s until it is back",
+                               _short(e), self.spool.folder)
+            self.healthy = False
+            self._spool(batch + self._take(len(self._buffer)))
+            await self.db.drop_engine()
+            self._retry_at = time.monotonic() + self.retry_interval
+
+    def _take(self, n: int) -> list[dict[str, Any]]:
+        buf = self._buffer
+        return [buf.popleft() for _ in range(min(n, len(buf)))]
+
+    def _spool(self, rows: list[dict[str, Any]]) -> None:
+        if not rows:
+            return
+        try:
+            self.spool.append(rows)
+            self.counts["spooled"] += len(rows)
+        except OSError:
+            logger.exception("usage ledger: could not spool %d records; they stay in memory", len(rows))
+            self._buffer.extendleft(reversed(rows))
+
+    async def _replay(self) -> None:
+        """Every closed segment, into the database."""
+        self.spool.rotate()
+        for path, f in self.spool.closed_segments():
+            ours = path in self.spool.mine  # else left by another process: not in our budgets' counts
+            try:
+                rows = Spool.read(f)
+                for i in range(0, len(rows), self.batch_size):
+                    await self._write(rows[i:i + self.batch_size], ours)
+            except BaseException:
+                f.close()
+                raise
+            self.spool.done(path, f)
+            self.counts["replayed"] += len(rows)
+            logger.info("usage ledger: replayed %d spooled records from %s", len(rows), path.name)
+
+    async def _write(self, rows: list[dict[str, Any]], ours: bool = True) -> None:
+        assert self.db is not None
+        async with self.db.begin() as conn:
+            ins = _insert(conn, schema.records).on_conflict_do_nothing(index_elements=["id"])
+            result = await conn.execute(ins.returning(schema.records.c.id), rows)
+            stored = {r[0] for r in result.all()}
+            rollup: dict[tuple[str, int], list[int]] = {}
+            for row in rows:
+                if row["id"] not in stored:
+                    continue  # replayed twice: counted the first time
+                slot = rollup.setdefault((row["key"], day_of(row["ts"])), [0, 0])
+                slot[0] += int(counts(row))
+                slot[1] += row["prompt_tokens"] + row["completion_tokens"]
+            if rollup:
+                t = schema.daily
+                up = _insert(conn, t).values(
+                    [{"key": k, "day": d, "requests": r, "tokens": tok} for (k, d), (r, tok) in rollup.items()]
+                )
+                up = up.on_conflict_do_update(
+                    index_elements=["key", "day"],
+                    set_={"requests": t.c.requests + up.excluded.requests, "tokens": t.c.tokens + up.excluded.tokens},
+                )
+                await conn.execute(up)
+        if ours:
+            self.budgets.written([(k, d, r, tok) for (k, d), (r, tok) in rollup.items()])
+
+    async def _refresh(self, conn: AsyncConnection) -> None:
+        """The budgets' sums for this month, and the run-time budgets."""
+        b = self.budgets
+        rows = (await conn.execute(select(schema.budgets))).all()
+        overrides: dict[str, dict[str, int | None]] = {}
+        for r in rows:
+            overrides.setdefault(r.key, {})[r.name] = r.value
+        b.set_overrides(overrides)
+        keys = b.tracked
+        seen = b.take_written()
+        base: dict[str, dict[int, list[int]]] = {}
+        if keys:
+            first, nxt = month_days(time.time())
+            t = schema.daily
+            try:
+                result = await conn.execute(
+                    select(t.c.key, t.c.day, t.c.requests, t.c.tokens)
+                    .where(t.c.key.in_(keys), t.c.day >= first, t.c.day < nxt)
+                )
+            except BaseException:
+                b.put_back(seen)
+                raise
+            for key, day, r, tok in result.all():
+                base.setdefault(key, {})[day] = [int(r), int(tok)]
+        b.refreshed(base, seen)
+
+    async def set_budget(self, key: str, values: dict[str, int | None]) -> None:
+        """Store run-time budgets (the admin API); every replica reads them
+        at its next refresh."""
+        assert self.db is not None
+        now = time.time()
+        t = schema.budgets
+        async with self.db.begin() as conn:
+            for name, value in values.items():
+                ins = _insert(conn, t).values(key=key, name=name, value=value, updated_at=now)
+                await conn.execute(ins.on_conflict_do_update(
+                    index_elements=["key", "name"], set_={"value": value, "updated_at": now}))
+        self.budgets.override(key, values)
+
+    async def count(self) -> int:
+        """Rows in the ledger (tests, the CLI)."""
+        assert self.db is not None
+        async with self.db.begin() as conn:
+            return int((await conn.execute(select(func.count()).select_from(schema.records))).scalar_one())
+
+
+def _insert(conn: AsyncConnection, table: Any) -> Any:
+    if conn.dialect.name == "postgresql":
+        return postgresql.insert(table)
+    return sqlite.insert(table)
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
