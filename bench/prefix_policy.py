@@ -6,10 +6,12 @@ it prints and writes bench/results/prefix_policy.json, it asserts nothing.
 
 The map is filled with `--prefixes` distinct prompts: `--tenants` system
 prompts of `--system-tokens` tokens, each prompt one of them plus its own
-tail (a conversation), block size 16 tokens. Then, per case, `--samples`
-timed calls of `choose` (the walk, the choice, and the LRU update that
-records the choice), apart from the key (hashing the prompt's blocks, once
-per request before admission):
+tail (a conversation), KV block size 16 tokens, routing blocks of whole
+KV blocks of at least `--min-block-tokens` tokens (the default 64 first; 16,
+the grain before, for comparison in the same run). Then, per case,
+`--samples` timed calls of `choose` (the walk, the choice, and the LRU
+update that records the choice), apart from the key (hashing the prompt's
+blocks, once per request before admission), and both together (`route`):
 
 - hit: a cached prompt continued by a new user turn (the common case);
 - miss: a prompt no engine saw (one lookup, then least outstanding);
@@ -64,11 +66,10 @@ def timed(policy: PrefixPolicy, engines: list[int], keys: list[RouteKey], rng: r
     return out
 
 
-def run_tokens(a: argparse.Namespace, n_engines: int) -> dict[str, Any]:
+def run_tokens(a: argparse.Namespace, n_engines: int, min_block: int) -> dict[str, Any]:
     rng = random.Random(7)
-    b = 16
     systems = [tuple(rng.randrange(32000) for _ in range(a.system_tokens)) for _ in range(a.tenants)]
-    policy = PrefixPolicy(block_tokens=b, max_blocks=a.max_blocks)
+    policy = PrefixPolicy(block_tokens=16, max_blocks=a.max_blocks, min_block_tokens=min_block)
     engines = list(range(n_engines))
     prompts = []
     for i in range(a.prefixes):
@@ -99,18 +100,34 @@ def run_tokens(a: argparse.Namespace, n_engines: int) -> dict[str, Any]:
     miss_keys = [policy.key_for_tokens(ids, None) for ids in miss_prompts]
     session_keys = [policy.key_for_tokens(ids, f"user-{i}") for i, ids in enumerate(hit_prompts)]
     before = dict(policy.stats.decisions)
+    hit_ns = timed(policy, engines, hit_keys, rng)
     cases = {
-        "hit": percentiles(timed(policy, engines, hit_keys, rng)),
+        "hit": percentiles(hit_ns),
         "miss": percentiles(timed(policy, engines, miss_keys, rng)),
         "session": percentiles(timed(policy, engines, session_keys, rng)),
         "key_for_tokens": percentiles(key_ns),
+        "route": percentiles(route(policy, engines, hit_prompts, rng)),
     }
     decided = {k: v - before.get(k, 0) for k, v in policy.stats.decisions.items() if v - before.get(k, 0)}
     return {
-        "engines": n_engines, "prompt_blocks": len(hit_keys[0].blocks), "map_entries_after_fill": entries,
+        "engines": n_engines, "min_block_tokens": min_block, "route_block_tokens": policy.route_tokens,
+        "prompt_blocks": len(hit_keys[0].blocks), "map_entries_after_fill": entries,
         "map_entries_end": len(policy), "map_bytes_after_fill": used,
         "bytes_per_entry": round(used / max(entries, 1), 1), "cases": cases, "timed_decisions": decided,
     }
+
+
+def route(policy: PrefixPolicy, engines: list[int], prompts: list[tuple[int, ...]], rng: random.Random) -> list[int]:
+    """What a request pays: its key, then the choice."""
+    out = []
+    clock = time.perf_counter_ns
+    choose, key_for = policy.choose, policy.key_for_tokens
+    for ids in prompts:
+        loads = [rng.randrange(8) for _ in engines]
+        t = clock()
+        choose(engines, loads, key_for(ids, None))
+        out.append(clock() - t)
+    return out
 
 
 def run_relay(a: argparse.Namespace, n_urls: int) -> dict[str, Any]:
@@ -151,9 +168,11 @@ def main() -> None:
     ap.add_argument("--max-blocks", type=int, default=131072, help="the map's bound (--routing-prefix-max-blocks)")
     ap.add_argument("--samples", type=int, default=20_000)
     ap.add_argument("--engines", type=int, nargs="+", default=[2, 8])
+    ap.add_argument("--min-block-tokens", type=int, nargs="+", default=[64, 16],
+                    help="routing block grain (64: the default; 16: the KV block, the grain before)")
     ap.add_argument("--out", type=Path, default=RESULTS / "prefix_policy.json")
     a = ap.parse_args()
-    local = [run_tokens(a, n) for n in a.engines]
+    local = [run_tokens(a, n, m) for m in a.min_block_tokens for n in a.engines]
     relay = [run_relay(a, n) for n in a.engines]
     result: dict[str, Any] = {
         "what": "PrefixPolicy.choose at N cached prefixes (bench/prefix_policy.py)",
@@ -167,7 +186,7 @@ def main() -> None:
     }
     for r in local:
         c = r["cases"]
-        print(f"local, {r['engines']} engines, {r['prompt_blocks']} blocks/prompt, {r['map_entries_after_fill']} "
+        print(f"local, {r['engines']} engines, {r['route_block_tokens']}-token blocks, {r['prompt_blocks']} blocks/prompt, {r['map_entries_after_fill']} "
               f"entries ({r['map_bytes_after_fill'] / 2**20:.1f} MiB, {r['bytes_per_entry']} B/entry):")
         for name, p in c.items():
             print(f"  {name:15s} p50 {p['p50_us']:6.2f} us  p99 {p['p99_us']:6.2f} us  max {p['max_us']:8.1f} us")

@@ -9,10 +9,12 @@ strategy, chosen per model by `--routing-policy`:
   request's `user`) over the engines, so a conversation stays on one engine
   while it is up; without a session key, least outstanding.
 - `prefix`: cache-aware. The prompt is cut into fixed-size blocks (token ids
-  in blocks of the engine's KV block size for local engines; the request's
-  JSON text in blocks of bytes for upstream nodes, which have no tokenizer
-  here), each block hashed together with every block before it, so one
-  hash names a whole prefix. A map from block hash to the engines that saw
+  in whole KV blocks of at least `min_block_tokens` (64) tokens for local
+  engines; the request's JSON text in blocks of bytes for upstream nodes,
+  which have no tokenizer here), each block hashed together with every
+  block before it, so one hash names a whole prefix. Routing needs no finer
+  grain than 64 tokens, and the work per request is per block: 13 blocks
+  instead of 52 for an 830-token prompt in 16-token KV blocks. A map from block hash to the engines that saw
   it (a bit per engine), least recently used first out and bounded in
   entries, says which engines probably still hold the prompt's prefix in
   their KV cache. The engine with the longest match wins, unless its load
@@ -29,6 +31,7 @@ Every decision is counted by reason (`least_outstanding`, `session`,
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_left
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,10 +68,9 @@ class PolicyStats:
     def matched(self, length: int) -> None:
         self.match_count += 1
         self.match_sum += length
-        for i, bound in enumerate(MATCH_BUCKETS):
-            if length <= bound:
-                self.match_buckets[i] += 1
-                break
+        i = bisect_left(MATCH_BUCKETS, length)
+        if i < len(MATCH_BUCKETS):
+            self.match_buckets[i] += 1
 
 
 class RoutingPolicy:
@@ -165,11 +167,14 @@ class PrefixPolicy(RoutingPolicy):
         balance_rel: float = 1.5,
         max_key_blocks: int = 256,
         unit: str = "tokens",
+        min_block_tokens: int = 64,
     ) -> None:
         super().__init__()
-        if min(block_tokens, block_bytes, max_blocks, max_key_blocks) < 1:
+        if min(block_tokens, block_bytes, max_blocks, max_key_blocks, min_block_tokens) < 1:
             raise ValueError("prefix routing: block sizes and bounds must be >= 1")
-        self.block_tokens = block_tokens
+        self.block_tokens = block_tokens  # the engine's KV block
+        # a routing block: whole KV blocks, at least min_block_tokens
+        self.route_tokens = block_tokens * -(-min_block_tokens // block_tokens)
         self.block_bytes = block_bytes
         self.max_blocks = max_blocks
         self.balance_abs = balance_abs
@@ -184,8 +189,8 @@ class PrefixPolicy(RoutingPolicy):
 
     # ---- keys ------------------------------------------------------------
     def key_for_tokens(self, token_ids: Sequence[int], session: str | None) -> RouteKey:
-        b = self.block_tokens
-        ids = tuple(token_ids)
+        b = self.route_tokens
+        ids = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
         n = min(len(ids) // b, self.max_key_blocks)
         blocks: list[int] = []
         h = 0
@@ -285,6 +290,7 @@ class PolicyOptions:
     max_blocks: int = 131072
     balance_abs: int = 16
     balance_rel: float = 1.5
+    min_block_tokens: int = 64
 
 
 def make_policy(name: str, opts: PolicyOptions | None = None, unit: str = "tokens") -> RoutingPolicy:
@@ -296,7 +302,7 @@ def make_policy(name: str, opts: PolicyOptions | None = None, unit: str = "token
     if name == "prefix":
         return PrefixPolicy(
             block_tokens=o.block_tokens, block_bytes=o.block_bytes, max_blocks=o.max_blocks,
-            balance_abs=o.balance_abs, balance_rel=o.balance_rel, unit=unit,
+            balance_abs=o.balance_abs, balance_rel=o.balance_rel, unit=unit, min_block_tokens=o.min_block_tokens,
         )
     raise ValueError(f"routing policy {name!r}: expected one of {', '.join(POLICIES)}")
 

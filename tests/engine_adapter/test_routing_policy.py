@@ -55,7 +55,7 @@ def choose(p: RoutingPolicy, ids: tuple[int, ...], loads: list[int], session: st
 
 # ---- the prefix map ------------------------------------------------------
 def test_insert_and_match_the_longest_prefix() -> None:
-    p = PrefixPolicy(block_tokens=16)
+    p = PrefixPolicy(block_tokens=16, min_block_tokens=16)
     assert choose(p, prompt(1), [3, 0]) == 1  # nothing known: least outstanding
     assert p.stats.decisions["no_match"] == 1
     # the same system prompt, another user turn: engine 1 again, though busier
@@ -76,15 +76,32 @@ def test_insert_and_match_the_longest_prefix() -> None:
 
 
 def test_a_prompt_shorter_than_a_block_has_no_key_to_match() -> None:
-    p = PrefixPolicy(block_tokens=16)
+    p = PrefixPolicy(block_tokens=16, min_block_tokens=16)
     assert p.key_for_tokens(tuple(range(15)), None).blocks == ()
     assert choose(p, tuple(range(15)), [1, 0]) == 1
     assert choose(p, tuple(range(15)), [0, 1]) == 0
     assert p.stats.decisions["no_match"] == 2 and len(p) == 0
 
 
+def test_routing_blocks_are_whole_kv_blocks_of_at_least_64_tokens() -> None:
+    for kv, grain in ((16, 64), (32, 64), (48, 96), (128, 128)):
+        p = PrefixPolicy(block_tokens=kv)
+        key = p.key_for_tokens(tuple(range(1000)), None)
+        assert (p.route_tokens, key.unit, len(key.blocks)) == (grain, grain, 1000 // grain)
+        assert p.key_for_tokens(list(range(1000)), None) == key  # a list keys as its tuple
+    p = PrefixPolicy()  # 16-token KV blocks by default, routed in 64-token blocks
+    assert choose(p, prompt(1), [0, 1]) == 0
+    assert choose(p, prompt(2), [1, 0]) == 0
+    assert p.stats.match_sum == len(SYSTEM) // 64 * 64  # 576 of the shared 600 tokens
+    # 100 shared tokens are one routing block: a match of 64 tokens
+    head = tuple(range(7000, 7100))
+    assert choose(p, (*head, *range(1, 40)), [0, 1]) == 0
+    assert choose(p, (*head, *range(50, 90)), [1, 0]) == 0
+    assert p.stats.match_sum == 576 + 64 and p.stats.decisions["prefix_hit"] == 2
+
+
 def test_eviction_keeps_the_map_under_its_bound_and_the_shared_head_longest() -> None:
-    p = PrefixPolicy(block_tokens=16, max_blocks=100)
+    p = PrefixPolicy(block_tokens=16, min_block_tokens=16, max_blocks=100)
     for i in range(50):  # 50 prompts of 39 blocks each, 37 of them shared
         assert choose(p, prompt(i), [i % 2, 0]) == 0  # the first went to 0, the rest follow
         assert len(p) <= 100
@@ -94,7 +111,7 @@ def test_eviction_keeps_the_map_under_its_bound_and_the_shared_head_longest() ->
     assert p.stats.decisions["prefix_hit"] == 50 and p.stats.match_count == hits + 1
     assert p.stats.match_sum >= 50 * 37 * 16
     # a prompt seen long ago, with nothing shared, was evicted
-    q = PrefixPolicy(block_tokens=16, max_blocks=40)
+    q = PrefixPolicy(block_tokens=16, min_block_tokens=16, max_blocks=40)
     first = tuple(range(640))
     choose(q, first, [0, 1])  # on engine 0
     for i in range(10):
@@ -105,21 +122,21 @@ def test_eviction_keeps_the_map_under_its_bound_and_the_shared_head_longest() ->
 
 
 def test_the_load_fallback_needs_both_thresholds() -> None:
-    p = PrefixPolicy(block_tokens=16, balance_abs=4, balance_rel=2.0)
+    p = PrefixPolicy(block_tokens=16, min_block_tokens=16, balance_abs=4, balance_rel=2.0)
     assert choose(p, prompt(1), [0, 1]) == 0  # engine 0 has the prefix now
     assert choose(p, prompt(2), [4, 0]) == 0  # 4 above: not more than abs
     assert choose(p, prompt(3), [5, 0]) == 1  # 5 above and > 2x: least outstanding
     assert p.stats.decisions["load_fallback"] == 1
     # the fallback engine saw the prompt too: both match now
     assert choose(p, prompt(4), [20, 12]) == 1  # both hold it: the less loaded
-    r = PrefixPolicy(block_tokens=16, balance_abs=4, balance_rel=2.0)
+    r = PrefixPolicy(block_tokens=16, min_block_tokens=16, balance_abs=4, balance_rel=2.0)
     assert choose(r, prompt(1), [0, 1]) == 0
     assert choose(r, prompt(2), [20, 12]) == 0  # 8 above but not 2x: stays
     assert r.stats.decisions["load_fallback"] == 0
 
 
 def test_a_dead_engine_loses_its_entries() -> None:
-    p = PrefixPolicy(block_tokens=16)
+    p = PrefixPolicy(block_tokens=16, min_block_tokens=16)
     assert choose(p, prompt(1), [0, 1]) == 0
     other = tuple(range(5000, 5600))
     assert choose(p, prompt(2, other), [1, 0]) == 1
@@ -135,7 +152,7 @@ def test_a_dead_engine_loses_its_entries() -> None:
 
 
 def test_a_session_takes_precedence_and_stays_put() -> None:
-    p = PrefixPolicy(block_tokens=16)
+    p = PrefixPolicy(block_tokens=16, min_block_tokens=16)
     assert choose(p, prompt(1), [0, 1]) == 0
     picks = {choose(p, prompt(i), [0, 0, 0, 0], session="alice") for i in range(5)}
     assert len(picks) == 1 and p.stats.decisions["session"] == 5
@@ -190,7 +207,7 @@ def gen(rid: str, ids: tuple[int, ...]) -> GenerationRequest:
 async def test_a_pool_sends_a_shared_prefix_to_one_worker_until_it_dies() -> None:
     pool = WorkerPool("m", lambda i: SimulatedEngine(SimulatedConfig()), num_workers=2, readiness_interval=60,
                       restart_backoff=(0.01, 0.01))
-    pool.policy = PrefixPolicy(block_tokens=16)
+    pool.policy = PrefixPolicy()  # the default grain: 64-token routing blocks
     await pool.start()
     leases = [await pool.acquire([gen(f"r{i}", prompt(i))]) for i in range(4)]
     busy = [w.in_flight for w in pool.workers]
