@@ -8,11 +8,13 @@ tests/e2e/test_console.py."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
 import pytest
 from sim_app import running_app
+from support import wait_until
 
 from engine_adapter.backends.simulated import SimulatedConfig
 from server.console.history import History, Recent, percentile, wanted
@@ -202,3 +204,38 @@ async def test_open_server_console_is_open_like_the_admin_routes() -> None:
         assert (await client.get("/console/api/overview")).status_code == 200
         assert (await client.get("/console/static/uPlot.iife.min.js")).status_code == 200
         assert (await client.get("/console/static/uPlot.LICENSE")).status_code == 200
+
+
+@pytest.mark.asyncio
+async def test_worker_states_and_queue_by_priority() -> None:
+    from server.console.overview import models
+
+    # a hung engine with one slot: its readiness probe gives up at once, so
+    # the worker runs but is not ready, and what is admitted never ends
+    sim = SimulatedConfig(max_model_len=256, hang=True)
+    async with running_app(settings(), sim=sim, embed=False, slots=1, probe_timeout=0.01) as (client, app):
+        gw = app.state.gateway
+        (pool,) = gw.pools
+        auth = {"Authorization": f"Bearer {USER}"}
+
+        def send(prio: int) -> asyncio.Future[Any]:
+            return asyncio.ensure_future(
+                client.post("/v1/chat/completions", json={**CHAT, "priority": prio}, headers=auth)
+            )
+
+        tasks = [send(0)]
+        await wait_until(lambda: pool.running == 1, what="the first request on the only slot")
+        tasks += [send(5), send(0)]
+        await wait_until(lambda: pool.queue_depth == 2, what="two queued requests")
+        (m,) = models(gw)
+        assert m["queue_by_priority"] == {"0": 1, "5": 1} and m["queue_depth"] == 2 and m["running"] == 1
+        assert m["workers"] == [{"index": 0, "state": "not_ready", "in_flight": 1, "slots": 1, "restarts": 0}]
+        w = pool.workers[0]
+        w.alive = False  # as supervision marks a dead engine while it restarts it
+        try:
+            assert models(gw)[0]["workers"][0]["state"] == "restarting"
+        finally:
+            w.alive = True
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -118,10 +118,18 @@
 
   const ms = (arr) => arr.map((v) => (v === null ? null : v * 1000));
 
+  const MIN_BUCKETS = 60; // the plots span at least 10 minutes, at most the hour
+
   function drawHistory(h) {
-    plots["plot-ttft"].setData([h.t, ms(h.ttft.p50), ms(h.ttft.p90), ms(h.ttft.p99)]);
-    plots["plot-itl"].setData([h.t, ms(h.itl.p50), ms(h.itl.p90), ms(h.itl.p99)]);
-    plots["plot-tps"].setData([h.t, h.tokens_per_second]);
+    // from the first bucket with traffic (a young gateway's plots are not a
+    // sliver at the right edge of an empty hour)
+    const first = h.requests.findIndex((n) => n > 0);
+    const from = Math.max(0, Math.min(first < 0 ? h.t.length : first, h.t.length - MIN_BUCKETS));
+    const cut = (arr) => arr.slice(from);
+    const t = cut(h.t);
+    plots["plot-ttft"].setData([t, ms(cut(h.ttft.p50)), ms(cut(h.ttft.p90)), ms(cut(h.ttft.p99))]);
+    plots["plot-itl"].setData([t, ms(cut(h.itl.p50)), ms(cut(h.itl.p90)), ms(cut(h.itl.p99))]);
+    plots["plot-tps"].setData([t, cut(h.tokens_per_second)]);
     $("n-requests").textContent = fmtInt(h.totals.requests);
     $("n-errors").textContent = fmtInt(h.totals.errors);
     $("n-tokens").textContent = fmtInt(h.totals.completion_tokens);
