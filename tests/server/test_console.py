@@ -9,6 +9,8 @@ tests/e2e/test_console.py."""
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,8 +28,8 @@ USER = "sk-user-console-test-91bc"
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": "a prompt that must stay private"}], "max_tokens": 6}
 
 
-def settings() -> Settings:
-    return Settings(api_key=[USER], admin_api_key=ADMIN, access_log_format="off")
+def settings(tmp: Path, **kw: Any) -> Settings:
+    return Settings(api_key=[USER], admin_api_key=ADMIN, access_log_format="off", data_dir=tmp, **kw)
 
 
 async def login(client: httpx.AsyncClient, key: str) -> httpx.Response:
@@ -83,11 +85,11 @@ def test_recent_keeps_the_last_and_only_known_fields() -> None:
     assert not wanted({"endpoint": "/console/api/overview"}) and wanted({"endpoint": "/v1/completions"})
 
 
-def test_sessions_ttl_logout_and_bound() -> None:
+def test_sessions_ttl_logout_and_bound(tmp_path: Path) -> None:
     from server.auth import KeyStore
 
     now = [0.0]
-    keys = KeyStore.from_settings(settings())
+    keys = KeyStore.from_settings(settings(tmp_path))
     s = Sessions(ttl=10, max_sessions=2, clock=lambda: now[0])
     assert s.login(keys, USER) is None  # a client key is not an admin key
     assert s.login(keys, "wrong") is None and s.login(keys, "") is None
@@ -110,8 +112,8 @@ def test_sessions_ttl_logout_and_bound() -> None:
 # ------------------------------------------------------------ through the app
 
 @pytest.mark.asyncio
-async def test_login_cookie_logout_and_refusals() -> None:
-    async with running_app(settings()) as (client, _):
+async def test_login_cookie_logout_and_refusals(tmp_path: Path) -> None:
+    async with running_app(settings(tmp_path)) as (client, _):
         r = await client.get("/console")
         assert r.status_code == 200 and 'name="key"' in r.text and "console.js" not in r.text
         assert r.headers["content-security-policy"].startswith("default-src 'self'")
@@ -150,9 +152,9 @@ async def test_login_cookie_logout_and_refusals() -> None:
 
 
 @pytest.mark.asyncio
-async def test_the_pages_json_after_traffic() -> None:
+async def test_the_pages_json_after_traffic(tmp_path: Path) -> None:
     sim = SimulatedConfig(max_model_len=256, ttft=0.01, itl=0.002)
-    async with running_app(settings(), sim=sim) as (client, _):
+    async with running_app(settings(tmp_path, usage_db="none"), sim=sim) as (client, _):
         assert (await login(client, ADMIN)).status_code == 303
         before = (await client.get("/console/api/history")).json()
         assert before["totals"]["requests"] == 0
@@ -188,17 +190,39 @@ async def test_the_pages_json_after_traffic() -> None:
         assert "must stay private" not in str(recent)
 
         usage = (await client.get("/console/api/usage", params={"from": "2026-01-01T00:00:00Z", "to": "2027-01-01T00:00:00Z"}))
-        assert usage.status_code == 200
-        body = usage.json()
-        assert body["ledger"] in ("off", "on")  # off: /admin/usage answered 404
-        assert isinstance(body["usage"], list) and isinstance(body["budgets"], list)
-        if body["ledger"] == "off":
-            assert body["usage"] == [] and body["budgets"] == []
+        assert usage.status_code == 200  # the ledger is off: /admin/usage answers 404
+        assert usage.json() == {"object": "console.usage", "ledger": "off", "usage": [], "budgets": []}
 
 
 @pytest.mark.asyncio
-async def test_open_server_console_is_open_like_the_admin_routes() -> None:
-    async with running_app(Settings(access_log_format="off")) as (client, _):
+async def test_usage_per_key_against_its_budget(tmp_path: Path) -> None:
+    async with running_app(settings(tmp_path, usage_flush_interval=0.05)) as (client, _):
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        r = await client.put("/admin/budgets/key-1", json={"tokens_per_day": 5000}, headers=admin)
+        assert r.status_code == 200, r.text
+        for _ in range(3):
+            r = await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {USER}"})
+            assert r.status_code == 200
+        assert (await login(client, ADMIN)).status_code == 303
+        window = {"from": "2000-01-01T00:00:00Z", "to": "2100-01-01T00:00:00Z"}
+        deadline = time.monotonic() + 20  # the ledger writes in batches, off the request path
+        while True:
+            body = (await client.get("/console/api/usage", params=window)).json()
+            rows = {u["group"]: u for u in body["usage"]}
+            if ("key-1" in rows and rows["key-1"]["requests"] == 3) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert body["ledger"] == "on"
+        assert rows["key-1"]["requests"] == 3 and rows["key-1"]["completion_tokens"] == 18
+        (b,) = [b for b in body["budgets"] if b["key"] == "key-1"]
+        (tokens,) = b["budgets"]
+        assert tokens["name"] == "tokens_per_day" and tokens["limit"] == 5000 and tokens["used"] > 0
+        no_keys(str(body))
+
+
+@pytest.mark.asyncio
+async def test_open_server_console_is_open_like_the_admin_routes(tmp_path: Path) -> None:
+    async with running_app(Settings(access_log_format="off", data_dir=tmp_path)) as (client, _):
         r = await client.get("/console")
         assert r.status_code == 200 and "console.js" in r.text
         assert (await client.get("/console/api/overview")).status_code == 200
@@ -207,13 +231,13 @@ async def test_open_server_console_is_open_like_the_admin_routes() -> None:
 
 
 @pytest.mark.asyncio
-async def test_worker_states_and_queue_by_priority() -> None:
+async def test_worker_states_and_queue_by_priority(tmp_path: Path) -> None:
     from server.console.overview import models
 
     # a hung engine with one slot: its readiness probe gives up at once, so
     # the worker runs but is not ready, and what is admitted never ends
     sim = SimulatedConfig(max_model_len=256, hang=True)
-    async with running_app(settings(), sim=sim, embed=False, slots=1, probe_timeout=0.01) as (client, app):
+    async with running_app(settings(tmp_path), sim=sim, embed=False, slots=1, probe_timeout=0.01) as (client, app):
         gw = app.state.gateway
         (pool,) = gw.pools
         auth = {"Authorization": f"Bearer {USER}"}
