@@ -233,6 +233,7 @@ async def authenticate(request: Request) -> Principal:
     entry = store.lookup(key)
     if entry is None:
         raise AuthenticationError("Incorrect API key provided.")
+    request.scope.setdefault("state", {})["key"] = entry.name  # the record's key, refused requests too
     budgets = getattr(request.app.state, "budgets", None)  # server/usage: expiry may be changed at run time
     if budgets is not None:
         budgets.check_expiry(entry)

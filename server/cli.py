@@ -131,10 +131,15 @@ def main(argv: list[str] | None = None) -> None:
     serve_p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     add_settings_arguments(serve_p)
     sub.add_parser("prepare-model", help="convert the embedded model once (no network)")
+    from server.usage import cli as usage_cli
+
+    usage_cli.add_arguments(sub.add_parser("usage", help="the usage ledger's report (as GET /admin/usage)"))
     ns = parser.parse_args(argv)
     if ns.command == "prepare-model":
         prepare_model()
         return
+    if ns.command == "usage":
+        raise SystemExit(usage_cli.run(ns))
     try:
         settings = settings_from_args(ns)
     except Exception as e:  # pydantic ValidationError: a clear message, no trace

@@ -3,10 +3,17 @@ gateway process serving the embedded generator and embedding models)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 from support import GatewayProcess
+
+# The gateway's databases (the usage ledger is on by default, stored
+# responses) go to a folder of this test run, not the user's cache: apps
+# built with Settings() and gateway processes (they inherit the environment).
+os.environ.setdefault("NPUGW_DATA_DIR", tempfile.mkdtemp(prefix="npugw-test-data-"))
 
 # Limits chosen so one shared engine serves every engine test: 8 running per
 # engine, 32 waiting; readiness probes off the hot path for exact counters.
