@@ -38,8 +38,8 @@ from server.routes import (
 )
 from server.settings import Settings
 from server.state import Gateway
-
 from server.usage import setup_usage, start_usage, stop_usage
+
 if TYPE_CHECKING:
     from server.tracing import Tracing
 
@@ -142,10 +142,10 @@ def create_app(
     record_sinks: list[RecordSink] = []
     app.state.record_sinks = record_sinks
     record_sinks.append(setup_console(app).record)  # /console: its recent requests and latency history
+    setup_usage(app, settings, registry)  # the usage ledger (a record sink), budgets, /admin/usage, metrics
     app.add_middleware(
         GatewayMiddleware, metrics=gw_metrics, max_body=settings.max_request_body_bytes,
         access_log=access_log, tracing=tracing, sinks=record_sinks, proxies=parse_proxies(settings.trusted_proxies),
-    setup_usage(app, settings, registry)  # the usage ledger (a record sink), budgets, /admin/usage, metrics
     )
     return app
 

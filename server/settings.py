@@ -161,10 +161,16 @@ class Settings(BaseSettings):
         default_factory=list,
         description="remote model NAME=URL[,URL...][;option=value...] (repeatable), passed through to its "
         "nodes; options: model (the node's model id when it serves several), connect_timeout, read_timeout, "
-        "health_interval, eject_after, cooldown, max_model_len, api_key_env",
+        "health_interval, eject_after, cooldown, max_model_len, api_key_env, plain (direct: a non-streaming "
+        "client's call goes as it came; stream: it is served from a streamed call joined back)",
     )
     upstream_connect_timeout: float = Field(2.0, gt=0, description="seconds to connect to an upstream")
     upstream_read_timeout: float = Field(
+        30.0, gt=0, description="seconds an upstream may stay silent (before its headers, between chunks)"
+    )
+    upstream_health_interval: float = Field(5.0, gt=0, description="seconds between upstream health checks")
+    upstream_eject_after: int = Field(3, ge=1, description="failures in a row that eject an upstream URL")
+    upstream_cooldown: float = Field(10.0, gt=0, description="seconds an ejected upstream URL waits for a trial")
     # --- the usage ledger and budgets (server/usage) ---
     usage_db: str | None = Field(
         None,
@@ -185,11 +191,6 @@ class Settings(BaseSettings):
     usage_spool_dir: Path | None = Field(
         None, description="where records wait while the ledger's database is down (default DATA_DIR/usage-spool)"
     )
-        30.0, gt=0, description="seconds an upstream may stay silent (before its headers, between chunks)"
-    )
-    upstream_health_interval: float = Field(5.0, gt=0, description="seconds between upstream health checks")
-    upstream_eject_after: int = Field(3, ge=1, description="failures in a row that eject an upstream URL")
-    upstream_cooldown: float = Field(10.0, gt=0, description="seconds an ejected upstream URL waits for a trial")
     # --- routing: aliases, canaries, fallbacks ---
     alias: Entries = Field(
         default_factory=list, description="ALIAS=TARGET:WEIGHT[,TARGET:WEIGHT...] weighted alias (repeatable)"

@@ -12,13 +12,18 @@ network read at a time, with `model` rewritten to the name the client used
 as a byte-level replace; no token is parsed or re-encoded. No local
 tokenizer or chat template is involved.
 
-Bounded failures: `read_timeout` covers the wait for the headers, for the
-first byte and every gap between reads. A client that does not stream is
-served from a streamed upstream call (`aggregate.py` joins the chunks into
-the answer), so a node that stops answering is noticed within
-`read_timeout`, not at the request deadline. Before the first byte reached
-the client, a failing URL is retried once on another healthy URL; a URL
-ejected by the health checks fails the requests waiting on it at once.
+Bounded failures: a streamed call's `read_timeout` covers the wait for the
+headers and every gap between reads. A non-streamed call (a client that does
+not stream, embeddings, tokenize) is sent as is: its answer is its first
+byte, so it has no read timeout of its own; instead the URL it waits on must
+show life (health checks, other answers, a `/health` ping at half of
+`read_timeout`), and a URL silent for `read_timeout` is ejected, which fails
+its waiters at once (engine_adapter/routing/upstream.py). `;plain=stream`
+serves such clients from a streamed call joined back (`aggregate.py`)
+instead: it also catches a node whose `/health` answers while its engine
+hangs, at the price of a streamed call per request. Before the first byte
+reached the client, a failing URL is retried once on another healthy URL; a
+URL ejected by the health checks fails the requests waiting on it at once.
 Upstream 4xx are relayed with their status and body (`UpstreamRejected`),
 429 keeps its Retry-After. After the first byte, a failure ends the stream
 with an error event. Cancelling (client disconnect) closes the upstream
@@ -59,8 +64,7 @@ from engine_adapter.types import (
 
 __all__ = ["Opened", "RemoteEngine", "build_remote_pool", "is_remote"]
 
-# Endpoints whose streams carry tokens (usage is asked for; a non-streaming
-# client is served from a streamed call).
+# Endpoints whose streams carry tokens (usage is asked for on streams).
 GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
 
 
@@ -135,14 +139,17 @@ class RemoteEngine:
             node_model = up.model_for(ep)
             body = dict(call.body)
             body["model"] = node_model
-            if generation:
+            joined = generation and not call.stream and up.cfg.plain == "stream"
+            if generation and (call.stream or joined):
                 body["stream"] = True
                 opts = body.get("stream_options")
                 body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
             ep.outstanding += 1
             opened = Opened(self, ep, call, node_model)
             try:
-                opened.resp = await self._open_on(ep, call, orjson.dumps(body))
+                opened.resp, opened.body = await self._open_on(
+                    ep, call, orjson.dumps(body), plain=not (call.stream or joined)
+                )
             except ServiceUnavailable as e:  # nothing sent: one other healthy URL may serve it
                 opened.close()
                 if len(tried) < min(2, len(up.endpoints)) and (call.deadline or 1e18) > time.monotonic():
@@ -155,34 +162,45 @@ class RemoteEngine:
             self._open[call.request_id] = opened.resp
             return opened
 
-    async def _open_on(self, ep: Endpoint, call: RelayCall, payload: bytes) -> aiohttp.ClientResponse:
-        """POST to `ep`; the response once its headers came, or an error kind.
-        Gives up at once if the health checks eject `ep` meanwhile."""
+    async def _open_on(
+        self, ep: Endpoint, call: RelayCall, payload: bytes, *, plain: bool
+    ) -> tuple[aiohttp.ClientResponse, bytes | None]:
+        """POST to `ep`; the response once its headers came (and, for a
+        `plain` non-streamed call, its body), or an error kind. Gives up at
+        once if `ep` is ejected meanwhile (health checks, or silence while
+        plain calls wait on it)."""
         up, where = self.upstream, f"{self.upstream.cfg.name!r} ({ep.url})"
         headers = {"Content-Type": "application/json", "X-Request-Id": call.request_id, **dict(call.headers)}
-        post = asyncio.ensure_future(up.session.post(ep.url + call.path, data=payload, headers=headers))
+        post = asyncio.ensure_future(self._post(ep, ep.url + call.path, payload, headers, plain))
+        if plain:
+            if not ep.waiting:
+                ep.watch_from = time.monotonic()
+            ep.waiting += 1
         try:
             done, _ = await asyncio.wait((post, ep.ejected), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             post.cancel()
             raise
+        finally:
+            if plain:
+                ep.waiting -= 1
         if post not in done:
             post.cancel()
             await asyncio.gather(post, return_exceptions=True)  # aiohttp closes its connection
-            msg = f"upstream {where} was ejected by the health checks while this request waited for it"
-            raise ServiceUnavailable(msg, code="upstream_ejected", retry_after=1)
+            msg = f"upstream {where} was ejected while this request waited for it ({ep.last_error})"
+            raise ServiceUnavailable(msg, code=ep.ejected.result(), retry_after=1)
         try:
-            resp = post.result()
+            resp, body = post.result()
         except TIMEOUTS:
             up.failed(ep, "timeout")
             msg = f"upstream {where} did not answer within {up.cfg.read_timeout:g}s"
             raise ServiceUnavailable(msg, code="upstream_timeout", retry_after=1) from None
         except aiohttp.ClientError as e:
             up.failed(ep, type(e).__name__)
-            msg = f"upstream {where} is unreachable: {e}"
+            msg = f"upstream {where} is unreachable or closed the connection: {e}"
             raise ServiceUnavailable(msg, code="upstream_unreachable", retry_after=1) from None
         if resp.status == 200:
-            return resp
+            return resp, body
         try:
             body = await resp.read()
         except (aiohttp.ClientError, *TIMEOUTS):
@@ -200,6 +218,23 @@ class RemoteEngine:
         up.failed(ep, f"HTTP {resp.status}")
         raise ServiceUnavailable(f"{msg}: {_message(body)}", code="upstream_error", retry_after=1)
 
+    async def _post(
+        self, ep: Endpoint, url: str, payload: bytes, headers: dict[str, str], plain: bool
+    ) -> tuple[aiohttp.ClientResponse, bytes | None]:
+        up = self.upstream
+        if plain:  # no read timeout: the silence watch bounds it (see the module's doc)
+            resp = await up.session.post(url, data=payload, headers=headers, timeout=up.plain_timeout)
+            ep.last_seen = time.monotonic()
+            if resp.status != 200:
+                return resp, None
+            body = await resp.read()
+            ep.last_seen = time.monotonic()
+            resp.release()
+            return resp, body
+        resp = await up.session.post(url, data=payload, headers=headers)
+        ep.last_seen = time.monotonic()
+        return resp, None
+
     async def _stream(
         self, ep: Endpoint, resp: aiohttp.ClientResponse, rewrite: _Rewrite, *, want_usage: bool
     ) -> AsyncGenerator[bytes | RelayUsage, None]:
@@ -212,6 +247,7 @@ class RemoteEngine:
         usage: RelayUsage | None = None
         try:
             async for chunk in resp.content.iter_any():
+                ep.last_seen = time.monotonic()
                 data = buf + chunk if buf else chunk
                 cut = data.rfind(b"\n\n")
                 if cut < 0:
@@ -268,36 +304,27 @@ class RemoteEngine:
         if usage is not None:
             yield usage
 
-    async def _whole(
-        self, ep: Endpoint, resp: aiohttp.ClientResponse, rewrite: _Rewrite
-    ) -> AsyncGenerator[bytes | RelayUsage, None]:
-        """A non-generation answer (embeddings, tokenize): the body as sent."""
-        up, where = self.upstream, f"{self.upstream.cfg.name!r} ({ep.url})"
-        try:
-            body = await resp.read()
-        except TIMEOUTS:
-            up.failed(ep, "read timeout")
-            raise _broken(f"upstream {where} did not finish its answer in time", False, "upstream_timeout") from None
-        except aiohttp.ClientError as e:
-            up.failed(ep, type(e).__name__)
-            raise _broken(f"upstream {where} closed the connection mid-answer", False,
-                          "upstream_disconnected") from None
-        resp.release()
-        up.succeeded(ep)
-        yield rewrite(body)
-        try:
-            usage = RelayUsage.from_dict(orjson.loads(body).get("usage"))
-        except (ValueError, AttributeError):
-            usage = None
-        if usage is not None:
-            yield usage
+    def _whole(self, ep: Endpoint, body: bytes, rewrite: _Rewrite) -> list[bytes | RelayUsage]:
+        """A non-streamed answer: the body as sent (`model` rewritten), then
+        its usage if it has one."""
+        self.upstream.succeeded(ep)
+        items: list[bytes | RelayUsage] = [rewrite(body)]
+        at = body.rfind(b'"usage"')
+        if at >= 0:
+            try:
+                usage = RelayUsage.from_dict(orjson.loads(body).get("usage"))
+            except (ValueError, AttributeError):
+                usage = None
+            if usage is not None:
+                items.append(usage)
+        return items
 
 
 class Opened:
     """A request a node has accepted (its status line came): `items()`
     relays its answer, `close()` drops it (the node sees the disconnect)."""
 
-    __slots__ = ("_done", "call", "ep", "node_model", "remote", "resp", "trial")
+    __slots__ = ("_done", "body", "call", "ep", "node_model", "remote", "resp", "trial")
 
     def __init__(self, remote: RemoteEngine, ep: Endpoint, call: RelayCall, node_model: str) -> None:
         self.remote = remote
@@ -306,6 +333,7 @@ class Opened:
         self.node_model = node_model
         self.trial = ep.trial
         self.resp: aiohttp.ClientResponse | None = None
+        self.body: bytes | None = None  # a non-streamed call's answer, read with its headers
         self._done = False
 
     async def items(self) -> AsyncGenerator[bytes | RelayUsage, None]:
@@ -316,9 +344,11 @@ class Opened:
         assert resp is not None
         rewrite = _Rewrite(self.node_model, call.model)
         try:
-            if call.path not in GENERATION_PATHS:
-                items = remote._whole(self.ep, resp, rewrite)
-            elif call.stream:
+            if self.body is not None:
+                for item in remote._whole(self.ep, self.body, rewrite):
+                    yield item
+                return
+            if call.stream:
                 items = remote._stream(self.ep, resp, rewrite, want_usage=call.want_usage)
             else:  # a non-streaming client of a generation endpoint
                 items = remote._joined(self.ep, resp, call.path, rewrite)

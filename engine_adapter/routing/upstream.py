@@ -9,6 +9,12 @@ requests, each guarded by a circuit breaker (passive) and health checks
   `eject_after` failed checks in a row eject the URL, one good check brings it
   back. Requests still waiting on an ejected URL for their first byte are
   failed at once (`Endpoint.ejected`), so a router or a retry can move them.
+- Silence: every byte from a URL (a health check, response headers, a
+  stream read) marks it seen. While non-streamed calls wait on a URL (their
+  answer is the first byte), a URL unseen for half of `read_timeout` gets a
+  quick `/health` ping, and one unseen for `read_timeout` is ejected, which
+  fails its waiters at once: a node that stops answering ends them within
+  `read_timeout`, whatever the health-check interval.
 - Model ids: the check learns the node's own model id from `/v1/models`
   (the one model it serves, else the served name if the node lists it, else
   `;model=ID` must pick one) and its
@@ -56,6 +62,7 @@ class UpstreamConfig:
     cooldown: float = 10.0
     max_model_len: int | None = None  # default: the upstream's /v1/models
     api_key_env: str | None = None  # environment variable holding the upstream key
+    plain: Literal["direct", "stream"] = "direct"  # how a non-streaming client's generation is called
 
 
 
@@ -63,7 +70,7 @@ _NUMBERS: dict[str, Callable[[str], float | int]] = {
     "connect_timeout": float, "read_timeout": float, "health_interval": float,
     "cooldown": float, "eject_after": int, "max_model_len": int,
 }
-_TEXTS = ("model", "api_key_env")
+_TEXTS = ("model", "api_key_env", "plain")
 
 
 def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:
@@ -83,6 +90,8 @@ def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:
     cfg = UpstreamConfig(name=name, urls=tuple(u.removesuffix("/v1") for u in found), **kw)
     if cfg.eject_after < 1 or min(cfg.connect_timeout, cfg.read_timeout, cfg.health_interval, cfg.cooldown) <= 0:
         raise ValueError(f"upstream {name!r}: timeouts, intervals and eject_after must be positive")
+    if cfg.plain not in ("direct", "stream"):
+        raise ValueError(f"upstream {name!r}: plain={cfg.plain!r} is not one of direct, stream")
     return cfg
 
 
@@ -97,10 +106,14 @@ class Endpoint:
     healthy: bool = True  # the active health checks' verdict
     model_id: str | None = None  # the node's model id, from its /v1/models
     serves: tuple[str, ...] = ()  # every model id the node listed
-    ejected: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    ejected: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     check_failures: int = 0
     ejections: int = 0
     last_error: str | None = None
+    last_seen: float = field(default_factory=time.monotonic)  # the last byte from it
+    waiting: int = 0  # non-streamed calls waiting for their answer
+    watch_from: float = 0.0  # when the waiting began (silence counts from it or the last byte)
+    pinging: bool = False
 
     def state_at(self, now: float, cooldown: float) -> BreakerState:
         if self.state == "open" and now - self.opened_at >= cooldown:
@@ -126,9 +139,13 @@ class Upstream:
         self._session: aiohttp.ClientSession | None = None
         self._users = 0
         self._health: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._pings: set[asyncio.Future[None]] = set()
         self._next = 0
         # which usable URL (routing/policy.py); ids are positions in `endpoints`
         self.policy: RoutingPolicy = RoutingPolicy()
+        # non-streamed calls: no read timeout (the silence watch bounds them)
+        self.plain_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout, sock_read=None)
         key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -148,14 +165,16 @@ class Upstream:
             first = [self._check(ep, first=True) for ep in self.endpoints]
             await asyncio.wait([asyncio.ensure_future(f) for f in first], timeout=c.connect_timeout + 0.5)
             self._health = asyncio.ensure_future(self._health_loop())
+            self._watch = asyncio.ensure_future(self._silence_loop())
 
     async def release(self) -> None:
         self._users -= 1
         if self._users > 0 or self._session is None:
             return
-        if self._health is not None:
-            self._health.cancel()
-            await asyncio.gather(self._health, return_exceptions=True)
+        tasks = [t for t in (self._health, self._watch, *self._pings) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         session, self._session = self._session, None
         await session.close()
 
@@ -235,6 +254,42 @@ class Upstream:
             await asyncio.sleep(self.cfg.health_interval)
             await asyncio.gather(*(self._check(ep) for ep in self.endpoints))
 
+    async def _silence_loop(self) -> None:
+        """Eject a URL that non-streamed calls wait on and that has sent
+        nothing for `read_timeout`; ping it at half that."""
+        limit = self.cfg.read_timeout
+        tick = min(1.0, limit / 4)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for ep in self.endpoints:
+                if not ep.waiting or not ep.healthy:
+                    continue
+                quiet = now - max(ep.last_seen, ep.watch_from)
+                if quiet > limit:
+                    why = f"sent nothing for {limit:g}s while requests waited on it"
+                    ep.healthy = False
+                    ep.last_error = why
+                    ep.ejections += 1
+                    self._forget(ep)
+                    _eject(ep, "upstream_timeout")
+                    logger.warning("upstream %s %s: ejected: %s", self.cfg.name, ep.url, why)
+                elif quiet > limit / 2 and not ep.pinging:
+                    ep.pinging = True
+                    ping = asyncio.ensure_future(self._ping(ep, limit / 2))
+                    self._pings.add(ping)
+                    ping.add_done_callback(self._pings.discard)
+
+    async def _ping(self, ep: Endpoint, limit: float) -> None:
+        try:
+            async with self.session.get(ep.url + "/health", timeout=aiohttp.ClientTimeout(total=limit)) as r:
+                if r.status == 200:
+                    ep.last_seen = time.monotonic()
+        except (aiohttp.ClientError, *TIMEOUTS, ServiceUnavailable):
+            pass
+        finally:
+            ep.pinging = False
+
     async def _check(self, ep: Endpoint, first: bool = False) -> None:
         c = self.cfg
         limit = min(c.health_interval, c.read_timeout, c.connect_timeout if first else c.read_timeout)
@@ -266,6 +321,7 @@ class Upstream:
                 _eject(ep)
                 logger.warning("upstream %s %s: ejected by health checks: %s", self.cfg.name, ep.url, why)
             return
+        ep.last_seen = time.monotonic()
         if first:
             logger.info("upstream %s %s: serves model %r", self.cfg.name, ep.url, ep.model_id)
         ep.check_failures = 0
@@ -298,10 +354,10 @@ class Upstream:
         raise _CheckFailed(f"serves several models ({', '.join(ids)}): pick one with ;model=ID")
 
 
-def _eject(ep: Endpoint) -> None:
+def _eject(ep: Endpoint, code: str = "upstream_ejected") -> None:
     """Fail the requests waiting on `ep` for their first byte."""
     if not ep.ejected.done():
-        ep.ejected.set_result(None)
+        ep.ejected.set_result(code)
 
 
 def upstreams_of(pools: Iterable[Any]) -> list[Upstream]:

@@ -119,7 +119,8 @@ class Node:
             events.append({**head, "choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 6,
                                                              "total_tokens": 17,
                                                              "prompt_tokens_details": {"cached_tokens": 4}}})
-        assert body.get("stream"), "the gateway streams generation calls"
+        if not body.get("stream"):
+            return web.json_response(self.plain_answer(head, chat, "".join(words), bool(body.get("tools"))))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
@@ -136,6 +137,21 @@ class Node:
             self.disconnects += 1
             raise
         return resp
+
+
+    @staticmethod
+    def plain_answer(head: dict[str, Any], chat: bool, text: str, tools: bool) -> dict[str, Any]:
+        usage = {"prompt_tokens": 11, "completion_tokens": 6, "total_tokens": 17,
+                 "prompt_tokens_details": {"cached_tokens": 4}}
+        if not chat:
+            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}
+            return {**head, "choices": [choice], "usage": usage}
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if tools:
+            msg["tool_calls"] = [{"id": "call-1", "type": "function",
+                                  "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": "stop"}
+        return {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
 
 
 @pytest_asyncio.fixture
@@ -182,25 +198,36 @@ async def test_a_chat_stream_passes_through_with_only_model_changed(node: Node) 
 
 
 @pytest.mark.asyncio
-async def test_usage_reaches_the_client_only_when_asked_and_a_plain_call_is_joined(node: Node) -> None:
-    async with serve(None, tier(f"remote={node.url}")) as (client, _):
+@pytest.mark.parametrize("plain", ["direct", "stream"])
+async def test_usage_reaches_the_client_only_when_asked_and_a_plain_call_is_relayed_or_joined(
+    node: Node, plain: str
+) -> None:
+    spec = f"remote={node.url}" + (";plain=stream" if plain == "stream" else "")
+    async with serve(None, tier(spec)) as (client, _):
         msgs = [{"role": "user", "content": "hi"}]
         r = await client.post("/v1/chat/completions", json={"model": "remote", "messages": msgs, "stream": True,
                                                             "stream_options": {"include_usage": True}})
         chunks = events(r.content)
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
         assert chunks[-1]["model"] == "remote"
-        r = await client.post("/v1/chat/completions", json={"model": "remote", "messages": msgs, "tools": TOOLS})
+        body = {"model": "remote", "messages": msgs, "tools": TOOLS, "top_k": 3}
+        r = await client.post("/v1/chat/completions", json=body)
         answer = r.json()
         assert r.status_code == 200 and answer["object"] == "chat.completion" and answer["model"] == "remote"
         msg = answer["choices"][0]["message"]
         assert msg["content"] == "The capital is Paris." and msg["tool_calls"][0]["function"]["name"] == "get_weather"
         assert answer["usage"] == {"prompt_tokens": 11, "completion_tokens": 6, "total_tokens": 17,
                                    "prompt_tokens_details": {"cached_tokens": 4}}
-        assert node.calls[-1][1]["stream"] is True  # served from a streamed call (bounded by read_timeout)
+        sent = node.calls[-1][1]
+        if plain == "stream":  # served from a streamed call joined back
+            assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+        else:  # the same body, only model changed
+            assert sent == {**body, "model": "node-model"}
         r = await client.post("/v1/completions", json={"model": "remote", "prompt": "The capital", "echo": False})
         assert r.json()["choices"][0]["text"] == "The capital is Paris." and r.json()["model"] == "remote"
         assert node.calls[-1][0] == "/v1/completions"
+        metrics = (await client.get("/metrics")).text
+        assert metric_value(metrics, "npugw_api_key_tokens_total", model_name="remote", type="completion") == 18
 
 
 @pytest.mark.asyncio
