@@ -69,6 +69,7 @@ TRACKED: dict[str, dict[str, dict[str, tuple[str, str]]]] = {
             "out.outputs": ("vllm.outputs", "PoolingOutput"),
         },
         "_top": {"lp": ("vllm.logprobs", "Logprob")},
+        "engine_timings": {"m": ("vllm.v1.metrics.stats", "RequestStateStats")},
         "convert_logprobs": {"chosen": ("vllm.logprobs", "Logprob")},
     },
     "vllm_stats.py": {
