@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Install the servers the end-to-end tests start themselves (nginx,
-# Prometheus/promtool) and the browser the console test drives (Debian's
-# chromium, through Playwright). Needs root or sudo; skips what is already there.
+# Prometheus/promtool, PostgreSQL for the usage ledger's tests, which run
+# their own with initdb/pg_ctl) and the browser the console test drives
+# (Debian's chromium, through Playwright). Needs root or sudo; skips what is
+# already there.
 set -euo pipefail
 need=()
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
+compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || command -v initdb >/dev/null 2>&1 || need+=(postgresql)
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   echo "[test-services] installing ${need[*]}"
@@ -16,4 +19,5 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO systemctl stop nginx prometheus 2>/dev/null || true
   $SUDO pkill -x nginx 2>/dev/null || true
   $SUDO pkill -x prometheus 2>/dev/null || true
+  $SUDO service postgresql stop 2>/dev/null || true
 fi

@@ -152,8 +152,8 @@ class Ledger:
             self._spool([row])  # full: to the disk at once, never dropped
             return
         self._buffer.append(row)
-        if len(self._buffer) >= self.batch_size:
-            self._wake.set()
+        if len(self._buffer) >= self.batch_size or key in self.budgets.effective:
+            self._wake.set()  # a full batch; or a budget's use, which other replicas should see soon
 
     # ---- life ----
     async def start(self, wait: float) -> None:
