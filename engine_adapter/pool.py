@@ -210,7 +210,8 @@ class WorkerPool(Supervision):
         keyed = len(self.workers) > 1
         try:
             for r in reqs:
-                key = self.policy.key_for_tokens(r.prompt_token_ids, session) if keyed else None
+                lora = r.lora.name if r.lora is not None else None
+                key = self.policy.key_for_tokens(r.prompt_token_ids, session, lora) if keyed else None
                 held.append((r, Slot(await self._acquire(r.priority, r.deadline, key))))
         except BaseException:
             for _, slot in held:

@@ -50,6 +50,16 @@ class SamplingOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraRef:
+    """A LoRA adapter a request runs with (engine_adapter/lora.py): its
+    served name, the engine-wide id vLLM keys it by, and its folder."""
+
+    name: str
+    id: int
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     request_id: str
     model: str
@@ -63,6 +73,7 @@ class GenerationRequest:
     # False: the client takes the whole answer at once; an engine may then
     # produce it in one piece (the remote backend makes one non-streamed call)
     stream: bool = True
+    lora: LoraRef | None = None  # run with this LoRA adapter on the base model
     # the request span's W3C trace context (traceparent, tracestate), for an
     # engine that traces itself (vLLM with --engine-arg otlp_traces_endpoint=...)
     trace_headers: tuple[tuple[str, str], ...] = ()
@@ -95,6 +106,7 @@ class RelayCall:
     arrival_time: float = field(default_factory=time.monotonic)
     api_key_name: str | None = None
     headers: tuple[tuple[str, str], ...] = ()  # sent upstream as well (the gateway's X-Request-Id)
+    node_model: str | None = None  # the model id sent to the node (an adapter's); None: the upstream's own
 
 
 @dataclass(frozen=True, slots=True)

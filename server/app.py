@@ -30,6 +30,7 @@ from server.routes import (
     embeddings,
     generate,
     health,
+    lora,
     messages,
     models,
     responses,
@@ -93,6 +94,7 @@ def create_app(
         try:
             await asyncio.gather(*(start(p) for p in gw.pools))
             await start_usage(app)  # the usage ledger: migrations, budgets from the database, its writer
+            await lora.start_lora(app, gw)  # adapters first: aliases may name them
             routing_admin.start_routing(app, gw)  # aliases and fallbacks over started pools; SIGHUP reloads
             monitor = await start_device_monitor(settings, registry)
             app.state.device_monitor = monitor  # the console's device memory
@@ -137,6 +139,7 @@ def create_app(
     for r in (chat, completions, responses, messages, generate, embeddings, models, tokenize, health, admin):
         app.include_router(r.router)
     routing_admin.setup_routing(app, registry)  # /admin/routes, upstream metrics
+    lora.setup_lora(app, registry)  # /v1/load_lora_adapter, /v1/unload_lora_adapter, per-adapter metrics
     # Every finished request's record goes to each sink (server/middleware.py);
     # consumers append theirs to app.state.record_sinks.
     record_sinks: list[RecordSink] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import replace
 
 from engine_adapter.backends.simulated import SimulatedConfig
@@ -14,7 +15,7 @@ from engine_adapter.metrics import EngineMetrics
 from engine_adapter.model import EMBEDDED_EMBEDDING_NAME, EMBEDDED_MODEL_NAME, resolve_model
 from engine_adapter.pool import WorkerPool
 from engine_adapter.registry import ModelSpec, build_pool
-from engine_adapter.routing import CanaryPolicy, RouteSpec, RoutingMetrics, RoutingTable, route_specs
+from engine_adapter.routing import CanaryPolicy, RouteSpec, RoutingMetrics, RoutingTable, ServedPool, route_specs
 from engine_adapter.routing.policy import PolicyOptions, make_policy, parse_policies
 from engine_adapter.routing.upstream import UpstreamConfig, parse_upstream, upstreams_of
 from server.settings import Settings
@@ -68,7 +69,8 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
     )
     if s.backend == "simulated":
         names = tuple(s.served_model_name) or ("simulated",)
-        sim = SimulatedConfig(ttft=s.simulated_ttft, itl=s.simulated_itl, max_model_len=s.max_model_len or 4096)
+        sim = SimulatedConfig(ttft=s.simulated_ttft, itl=s.simulated_itl, max_model_len=s.max_model_len or 4096,
+                              lora=s.enable_lora)
         specs = [ModelSpec(names=names, backend="simulated", simulated=sim, root="simulated", **common)]  # type: ignore[arg-type]
         for extra_names, where in s.extra_models():
             specs.append(ModelSpec(names=extra_names, backend="simulated", simulated=sim, root=where, **common))  # type: ignore[arg-type]
@@ -77,7 +79,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
                 ModelSpec(
                     names=tuple(s.embedding_served_model_name) or ("simulated-embedding",),
                     backend="simulated",
-                    simulated=replace(sim, kind="embed", max_model_len=512),
+                    simulated=replace(sim, kind="embed", max_model_len=512, lora=False),
                     root="simulated-embedding",
                     **common,  # type: ignore[arg-type]
                 )
@@ -104,6 +106,10 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         scheduling_policy=s.scheduling_policy,
         seed=s.seed,
         load_format=s.load_format,
+        enable_lora=s.enable_lora,
+        max_loras=s.max_loras if s.enable_lora else None,
+        max_lora_rank=s.max_lora_rank if s.enable_lora else None,
+        max_cpu_loras=s.max_cpu_loras if s.enable_lora else None,
         profile_dir=str(s.profile_dir.resolve()) if s.profile_dir else None,
         extra=dict(s.engine_args),
         process_env=(("VLLM_CPU_OMP_THREADS_BIND", gen_bind),) if gen_bind else (),
@@ -215,7 +221,7 @@ def routes_from(settings: Settings) -> dict[str, RouteSpec]:
     return route_specs(settings.alias, settings.fallback)
 
 
-def build_routing(settings: Settings, pools: dict[str, WorkerPool], metrics: RoutingMetrics) -> RoutingTable:
+def build_routing(settings: Settings, pools: Mapping[str, ServedPool], metrics: RoutingMetrics) -> RoutingTable:
     """The routing table over the served models (`pools`: served name -> pool)."""
     table = RoutingTable(pools, policy=canary_policy(settings), metrics=metrics)
     table.apply(routes_from(settings))

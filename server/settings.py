@@ -99,6 +99,21 @@ class Settings(BaseSettings):
         "object, YAML: a mapping. The generation models get them, not the embedding model. Keys a gateway "
         "flag sets (model, max_model_len, dtype, ...) are refused: use that flag",
     )
+    # --- LoRA adapters (engine_adapter/lora.py, lora_manager.py) ---
+    enable_lora: bool = Field(False, description="serve LoRA adapters on the generation models' engines")
+    max_loras: int = Field(1, ge=1, description="LoRA adapters in one engine batch (vLLM's --max-loras)")
+    max_lora_rank: int = Field(
+        16, description="largest LoRA rank an adapter may have: 1, 8, 16, 32, 64, 128, 256, 320 or 512"
+    )
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="LoRA adapters kept in host memory per engine (vLLM's; default: --max-loras)"
+    )
+    lora_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="adapters to serve from the start: NAME=PATH or vLLM's JSON form "
+        '{"name": ..., "path": ..., "base_model_name": ...} (repeatable; needs --enable-lora). Adapters '
+        "loaded at run time (POST /v1/load_lora_adapter) are kept in DATA_DIR/lora_adapters.json",
+    )
     # --- pool / admission ---
     num_workers: int = Field(1, ge=1, description="engine instances per model")
     max_queue_size: int = Field(1024, ge=0, description="in-process queue bound per model")
@@ -240,6 +255,34 @@ class Settings(BaseSettings):
             parse_policies(str(item) for item in v)
         return v
 
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _lora_rank(cls, v: int) -> int:
+        from engine_adapter.lora import MAX_LORA_RANKS
+
+        if v not in MAX_LORA_RANKS:
+            raise ValueError(f"--max-lora-rank {v}: expected one of {', '.join(map(str, MAX_LORA_RANKS))}")
+        return v
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_modules(cls, v: Any) -> Any:
+        from engine_adapter.lora import parse_lora_module
+
+        if isinstance(v, str):  # env: a JSON list, or NAME=PATH items separated by whitespace
+            text = v.strip()
+            v = json.loads(text) if text.startswith("[") else text.split()
+        if isinstance(v, list | tuple):
+            v = [json.dumps(x) if isinstance(x, dict) else str(x) for x in v]
+            for item in v:
+                parse_lora_module(item)
+        return v
+
+    def lora_module_specs(self) -> list[Any]:
+        from engine_adapter.lora import parse_lora_module
+
+        return [parse_lora_module(item) for item in self.lora_modules]
+
     @field_validator("extra_model")
     @classmethod
     def _extra_models(cls, v: list[str]) -> list[str]:
@@ -271,6 +314,10 @@ class Settings(BaseSettings):
         if len(set(names)) != len(names):
             raise ValueError("an upstream name is given twice")
         route_specs(self.alias, self.fallback)
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras {self.max_cpu_loras} must be >= --max-loras {self.max_loras}")
         return self
 
     @classmethod

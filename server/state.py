@@ -13,6 +13,7 @@ from engine_adapter.routing import Router, RoutingTable, ServedPool
 from server.settings import Settings
 
 if TYPE_CHECKING:
+    from engine_adapter.lora_manager import LoraManager
     from server.limits import Limits
 
 
@@ -51,10 +52,36 @@ class Gateway:
         self.draining = False
         self.started_at = time.time()
         self.limits: Limits
+        self.lora: LoraManager | None = None  # LoRA adapters (server/routes/lora.py)
 
-    def served_pools(self) -> dict[str, WorkerPool]:
-        """Served name -> pool of every real model (the targets aliases may use)."""
-        return {name: m.pool for name, m in self.base_models.items() if isinstance(m.pool, WorkerPool)}
+    def served_pools(self) -> dict[str, ServedPool]:
+        """Served name -> pool of every real model and LoRA adapter (the
+        targets aliases may use)."""
+        return {name: m.pool for name, m in self.base_models.items() if not isinstance(m.pool, Router)}
+
+    def serves(self, name: str) -> bool:
+        """Whether `name` is served already (a model, an adapter, an alias)."""
+        return name in self.models or (self.routing is not None and name in self.routing.routers)
+
+    def add_served(self, name: str, pool: ServedPool, root: str, parent: str | None) -> None:
+        """A new served name at run time (a LoRA adapter): listed, routable,
+        a possible alias target."""
+        self.base_models[name] = ServedModel(id=name, pool=pool, root=root, parent=parent)
+        if self.routing is not None:
+            self.routing.pools[name] = pool
+        self.sync_routes()
+
+    def remove_served(self, name: str) -> None:
+        self.base_models.pop(name, None)
+        if self.routing is not None:
+            self.routing.pools.pop(name, None)
+        self.sync_routes()
+
+    def routes_using(self, name: str) -> list[str]:
+        """The aliases whose targets or fallbacks name `name`."""
+        routers = self.routing.routers if self.routing is not None else {}
+        return [a for a, r in routers.items()
+                if a != name and (name in r.fallbacks or any(t.name == name for t in r.targets))]
 
     def install_routing(self, table: RoutingTable) -> None:
         self.routing = table

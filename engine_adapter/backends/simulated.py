@@ -10,12 +10,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine_adapter.errors import EngineDead
+from engine_adapter.errors import EngineDead, InvalidRequest
 from engine_adapter.types import (
     EmbeddingRequest,
     EngineOutput,
     EngineStats,
     GenerationRequest,
+    LoraRef,
     ModelCard,
     TokenLogprob,
 )
@@ -68,6 +69,7 @@ class SimulatedConfig:
     output_tokens: int | None = None  # default: max_tokens
     kind: str = "generate"
     embedding_dim: int = 8
+    lora: bool = False  # takes LoRA adapters (--enable-lora); one runs the words backwards
 
 
 class SimulatedEngine:
@@ -86,6 +88,7 @@ class SimulatedEngine:
         self.aborted: list[str] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.loras: dict[int, LoraRef] = {}  # the adapters loaded, by id
 
     @property
     def card(self) -> ModelCard:
@@ -116,10 +119,21 @@ class SimulatedEngine:
         self.aborted.append(request_id)
         self._running.discard(request_id)
 
+    async def add_lora(self, ref: LoraRef, replace: bool = False) -> None:
+        if not self.config.lora:
+            raise InvalidRequest("LoRA is off on this server: start it with --enable-lora", code="lora_disabled")
+        self.loras[ref.id] = ref
+
+    async def remove_lora(self, ref: LoraRef) -> None:
+        self.loras.pop(ref.id, None)
+
     async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineOutput]:
         cfg = self.config
         if self._dead:
             raise EngineDead("simulated engine is dead")
+        if req.lora is not None and not cfg.lora:
+            raise InvalidRequest("LoRA is off on this server: start it with --enable-lora")
+        words = _WORDS[::-1] if req.lora is not None else _WORDS
         self._running.add(req.request_id)
         self.prompt_tokens_total += len(req.prompt_token_ids)
         try:
@@ -135,7 +149,7 @@ class SimulatedEngine:
                         await asyncio.sleep(cfg.itl)
                     if self._dead:
                         raise EngineDead("simulated engine died mid-request")
-                    word = _WORDS[(i + choice) % len(_WORDS)]
+                    word = words[(i + choice) % len(words)]
                     text = word if i == 0 else " " + word
                     tid = 1000 + (i + choice) % len(_WORDS)
                     last = i == n_out - 1

@@ -23,6 +23,7 @@ from engine_adapter.types import (
     EngineStats,
     EngineTimings,
     GenerationRequest,
+    LoraRef,
     ModelCard,
     SamplingOptions,
     TokenLogprob,
@@ -167,6 +168,12 @@ def to_sampling_params(s: SamplingOptions) -> Any:
         structured_outputs=structured,
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+def lora_request(ref: LoraRef, load_inplace: bool = False) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=ref.name, lora_int_id=ref.id, lora_path=ref.path, load_inplace=load_inplace)
 
 
 def _top(position: dict[int, Any], k: int) -> tuple[tuple[int, str, float], ...]:
@@ -349,6 +356,32 @@ class VllmEngine:
         if self._llm is not None:
             await self._llm.abort(request_id)
 
+    # -- LoRA adapters (engine_adapter/lora_manager.py) --
+    async def add_lora(self, ref: LoraRef, replace: bool = False) -> None:
+        """Load the adapter's weights into this engine (vLLM checks them:
+        its rank, its modules); its error as an InvalidRequest."""
+        if self._llm is None:
+            raise EngineDead("engine not started")
+        if not self.config.enable_lora:
+            raise InvalidRequest("LoRA is off on this server: start it with --enable-lora", code="lora_disabled")
+        try:
+            ok = await self._llm.add_lora(lora_request(ref, load_inplace=replace))
+        except Exception as e:
+            if self._llm.errored:
+                raise EngineDead(f"vLLM engine died loading LoRA adapter {ref.name!r}: {e}") from e
+            raise InvalidRequest(f"LoRA adapter {ref.name!r} failed to load: {e}", param="lora_path") from e
+        if ok is False:
+            raise InvalidRequest(f"LoRA adapter {ref.name!r}: the engine did not load it", param="lora_path")
+
+    async def remove_lora(self, ref: LoraRef) -> None:
+        if self._llm is not None:
+            await self._llm.remove_lora(ref.id)
+
+    async def list_loras(self) -> set[int]:
+        if self._llm is None:
+            return set()
+        return set(await self._llm.list_loras())
+
     async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineOutput]:
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -367,8 +400,11 @@ class VllmEngine:
         first = True
         # the request span's context, when vLLM traces too (else vLLM drops it with a warning)
         trace = dict(req.trace_headers) if req.trace_headers and self.config.extra.get("otlp_traces_endpoint") else None
+        lora = lora_request(req.lora) if req.lora is not None else None
         try:
-            async for ro in llm.generate(prompt, params, req.request_id, priority=req.priority, trace_headers=trace):
+            async for ro in llm.generate(
+                prompt, params, req.request_id, priority=req.priority, lora_request=lora, trace_headers=trace
+            ):
                 timings = engine_timings(getattr(ro, "metrics", None)) if ro.finished else None
                 plp = None
                 if first and ro.prompt_logprobs is not None and ro.prompt_token_ids:

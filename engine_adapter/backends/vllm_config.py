@@ -31,6 +31,11 @@ class VllmConfig:
     scheduling_policy: str = "fcfs"
     seed: int | None = None
     load_format: str | None = None
+    # LoRA (vllm serve's --enable-lora, --max-loras, --max-lora-rank, --max-cpu-loras)
+    enable_lora: bool = False
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
     profile_dir: str | None = None
     # Only one torch profiler may trace the front-end process (kineto refuses
     # a second); the other engines profile their workers only.
@@ -65,6 +70,9 @@ class VllmConfig:
             "load_format": self.load_format,
             "enable_log_requests": False,
         }
+        if self.enable_lora:
+            kw.update(enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                      max_cpu_loras=self.max_cpu_loras)
         if self.profile_dir:
             kw["profiler_config"] = {
                 "profiler": "torch",

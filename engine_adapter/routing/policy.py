@@ -84,11 +84,16 @@ class RoutingPolicy:
     def __init__(self) -> None:
         self.stats = PolicyStats()
 
-    def key_for_tokens(self, token_ids: Sequence[int], session: str | None) -> RouteKey | None:
-        """The key of a local request (None: this policy needs none)."""
+    def key_for_tokens(
+        self, token_ids: Sequence[int], session: str | None, adapter: str | None = None
+    ) -> RouteKey | None:
+        """The key of a local request (None: this policy needs none).
+        `adapter`: the LoRA adapter it runs with (its KV blocks are its own)."""
         return None
 
-    def key_for_body(self, body: Mapping[str, Any], session: str | None) -> RouteKey | None:
+    def key_for_body(
+        self, body: Mapping[str, Any], session: str | None, adapter: str | None = None
+    ) -> RouteKey | None:
         """The key of a passed-through request (its JSON body)."""
         return None
 
@@ -138,10 +143,14 @@ def rendezvous(session: str, engines: Sequence[int]) -> int:
 class SessionPolicy(RoutingPolicy):
     name = "session"
 
-    def key_for_tokens(self, token_ids: Sequence[int], session: str | None) -> RouteKey | None:
+    def key_for_tokens(
+        self, token_ids: Sequence[int], session: str | None, adapter: str | None = None
+    ) -> RouteKey | None:
         return RouteKey(session) if session else None
 
-    def key_for_body(self, body: Mapping[str, Any], session: str | None) -> RouteKey | None:
+    def key_for_body(
+        self, body: Mapping[str, Any], session: str | None, adapter: str | None = None
+    ) -> RouteKey | None:
         return RouteKey(session) if session else None
 
     def choose(self, engines: Sequence[int], loads: Sequence[int], key: RouteKey | None) -> int:
@@ -188,24 +197,26 @@ class PrefixPolicy(RoutingPolicy):
         return len(self._table)
 
     # ---- keys ------------------------------------------------------------
-    def key_for_tokens(self, token_ids: Sequence[int], session: str | None) -> RouteKey:
+    def key_for_tokens(self, token_ids: Sequence[int], session: str | None, adapter: str | None = None) -> RouteKey:
         b = self.route_tokens
         ids = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
         n = min(len(ids) // b, self.max_key_blocks)
         blocks: list[int] = []
-        h = 0
+        # A LoRA adapter's KV blocks are not the base model's (vLLM keys
+        # its prefix cache by adapter too): its chain starts elsewhere.
+        h = hash(adapter) if adapter else 0
         for i in range(0, n * b, b):
             h = hash((h, ids[i:i + b]))
             blocks.append(h)
         return RouteKey(session, tuple(blocks), b)
 
-    def key_for_body(self, body: Mapping[str, Any], session: str | None) -> RouteKey:
+    def key_for_body(self, body: Mapping[str, Any], session: str | None, adapter: str | None = None) -> RouteKey:
         parts = [orjson.dumps(body[k]) for k in _PROMPT_FIELDS if body.get(k) is not None]
         text = b"\x00".join(parts)
         b = self.block_bytes
         n = min(len(text) // b, self.max_key_blocks)
         blocks: list[int] = []
-        h = 0
+        h = hash(adapter) if adapter else 0
         for i in range(0, n * b, b):
             h = hash((h, text[i:i + b]))
             blocks.append(h)

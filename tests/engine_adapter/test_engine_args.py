@@ -163,7 +163,8 @@ def test_refused_keys_are_what_the_gateway_sets() -> None:
     cfg = VllmConfig(
         model="m", served_model_name="m", runner="pooling", max_model_len=64, enforce_eager=True, max_num_seqs=1,
         max_num_batched_tokens=64, block_size=16, enable_prefix_caching=True, distributed_executor_backend="mp",
-        quantization="fp8", seed=0, load_format="dummy", profile_dir="/tmp/p",
+        quantization="fp8", seed=0, load_format="dummy", profile_dir="/tmp/p", enable_lora=True, max_loras=2,
+        max_lora_rank=8, max_cpu_loras=2,
     )
     produced = set(cfg.engine_kwargs("cpu")) - {"enable_log_requests"}
     own = gateway_engine_keys()
