@@ -13,8 +13,8 @@ folder, and to docs/console.png with NPUGW_CONSOLE_SCREENSHOT=1.
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,7 +30,7 @@ ADMIN = "sk-admin-console-e2e-5d81c0"
 USER = "sk-user-console-e2e-a4f902"
 GATEWAY_ARGS = [
     "--api-key", USER, "--admin-api-key", ADMIN, "--access-log-format", "off",
-    "--simulated-ttft", "0.02", "--simulated-itl", "0.004",
+    "--simulated-ttft", "0.02", "--simulated-itl", "0.004", "--usage-flush-interval", "0.1",
 ]
 WAIT_MS = 20_000  # a deadline for a hung page, not a timing assertion
 CANVASES = "() => [...document.querySelectorAll('.plot canvas')].map((c) => c.toDataURL())"
@@ -56,24 +56,53 @@ def browser() -> Iterator[Any]:
             b.close()
 
 
-def traffic(gw: GatewayProcess, n: int, max_tokens: int) -> None:
+def traffic(gw: GatewayProcess, n: int, max_tokens: int) -> int:
+    """`n` chat requests, every other one streamed; the tokens (prompt and
+    completion) the gateway reported for them."""
     auth = {"Authorization": f"Bearer {USER}"}
+    total = 0
     with httpx.Client(base_url=gw.url, headers=auth, timeout=30) as c:
         for i in range(n):
-            body = {"model": "sim", "messages": [{"role": "user", "content": f"secret prompt {i}"}],
-                    "max_tokens": max_tokens, "stream": i % 2 == 1}
-            assert c.post("/v1/chat/completions", json=body).status_code == 200
+            body: dict[str, Any] = {"model": "sim", "messages": [{"role": "user", "content": f"secret prompt {i}"}],
+                                    "max_tokens": max_tokens}
+            if i % 2:
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200
+            if i % 2:
+                chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+                total += next(ch["usage"]["total_tokens"] for ch in chunks if ch.get("usage"))
+            else:
+                total += r.json()["usage"]["total_tokens"]
+    return total
 
 
-def test_console_in_a_browser(sim_gateways: Callable[..., list[GatewayProcess]], browser: Any, tmp_path: Path) -> None:
-    from playwright.sync_api import expect
-
-    (gw,) = sim_gateways(GATEWAY_ARGS)
+def open_page(browser: Any) -> tuple[Any, Any, list[str]]:
+    """A fresh context and page, and the list its console errors and page
+    errors go to."""
     context = browser.new_context(viewport={"width": 1400, "height": 1250})
     page = context.new_page()
     problems: list[str] = []
     page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
     page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    return context, page, problems
+
+
+def sign_in(page: Any, gw: GatewayProcess) -> None:
+    page.goto(gw.url + "/console")
+    page.fill("#key", ADMIN)
+    page.click("#login")
+    page.wait_for_function("() => Number(document.body.dataset.refreshes) >= 1", timeout=WAIT_MS)
+
+
+def test_console_in_a_browser(sim_gateways: Callable[..., list[GatewayProcess]], browser: Any, tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    (gw,) = sim_gateways([*GATEWAY_ARGS, "--data-dir", str(tmp_path / "data")])
+    r = httpx.put(gw.url + "/admin/budgets/key-1", json={"tokens_per_day": 100_000},
+                  headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    context, page, problems = open_page(browser)
 
     # --- the sign-in form refuses a wrong key and a client key
     page.goto(gw.url + "/console")
@@ -105,7 +134,7 @@ def test_console_in_a_browser(sim_gateways: Callable[..., list[GatewayProcess]],
 
     # --- after traffic the numbers, the tables and every plot change
     n, max_tokens = 12, 16
-    traffic(gw, n, max_tokens)
+    tokens = traffic(gw, n, max_tokens)
     expect(page.locator("#n-requests")).to_have_text(str(n), timeout=WAIT_MS)
     expect(page.locator("#n-tokens")).to_have_text(str(n * max_tokens), timeout=WAIT_MS)
     expect(page.locator("#n-ttft")).not_to_have_text("-")
@@ -115,8 +144,11 @@ def test_console_in_a_browser(sim_gateways: Callable[..., list[GatewayProcess]],
     page.wait_for_function(
         f"(before) => ({CANVASES})().every((url, i) => url !== before[i])", arg=plots_before, timeout=WAIT_MS
     )
-    # usage per key: the ledger's rows, or that it is off (its endpoints answer 404)
-    expect(page.locator("#usage")).to_contain_text(re.compile("key-1|usage ledger off"), timeout=WAIT_MS)
+    # usage per key against its budget (the ledger writes in batches: the
+    # page shows them within a refresh or two of the ledger's write)
+    usage_row = page.locator("#usage tbody tr", has_text="key-1")
+    expect(usage_row).to_contain_text(f"{tokens:,} / 100,000", timeout=WAIT_MS)  # tokens_per_day: used / limit
+    expect(usage_row.locator("td").nth(1)).to_have_text(str(n))
 
     page.screenshot(path=str(tmp_path / "console.png"), full_page=True)
     if os.environ.get("NPUGW_CONSOLE_SCREENSHOT") == "1":
@@ -138,5 +170,23 @@ def test_console_in_a_browser(sim_gateways: Callable[..., list[GatewayProcess]],
     page.click("#logout")
     expect(page.locator("#key")).to_be_visible()
     assert context.request.get(gw.url + "/console/api/overview").status == 401
+    assert problems == []
+    context.close()
+
+
+def test_console_with_the_ledger_off(
+    sim_gateways: Callable[..., list[GatewayProcess]], browser: Any, tmp_path: Path
+) -> None:
+    """`--usage-db none`: the ledger's endpoints answer 404; the page says
+    the ledger is off, and shows no error for it."""
+    from playwright.sync_api import expect
+
+    (gw,) = sim_gateways([*GATEWAY_ARGS, "--usage-db", "none", "--data-dir", str(tmp_path / "data")])
+    context, page, problems = open_page(browser)
+    sign_in(page, gw)
+    expect(page.locator("#usage-note")).to_have_text("usage ledger off")
+    expect(page.locator("#usage")).to_contain_text("usage ledger off")
+    traffic(gw, 2, 4)
+    expect(page.locator("#n-requests")).to_have_text("2", timeout=WAIT_MS)
     assert problems == []
     context.close()

@@ -95,7 +95,7 @@
       width: Math.max(300, target.clientWidth || 600),
       height: 190,
       scales: { x: { time: true } },
-      axes: [{}, { values: (u, vals) => vals.map((v) => v + unit), size: 64 }],
+      axes: [{}, { values: (u, vals) => vals.map((v) => v + unit), size: 76 }],
       series: [{}].concat(series.map((s, i) => ({
         label: s, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: false,
         points: { show: true, size: 4 },
@@ -244,7 +244,7 @@
   async function refresh() {
     try {
       const [o, h, r] = await Promise.all([
-        getJSON("/console/api/overview"), getJSON("/console/api/history"), getJSON("/console/api/recent?limit=50"),
+        getJSON("/console/api/overview"), getJSON("/console/api/history"), getJSON("/console/api/recent?limit=30"),
       ]);
       drawOverview(await o.json());
       drawHistory(await h.json());
