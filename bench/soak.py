@@ -58,6 +58,10 @@ MIX = {  # relative weights of the default mix
     "disconnect": 8, "over_limit": 6, "bad_model": 3, "bad_param": 3, "bad_json": 3, "bad_key": 3, "bad_tgi": 2,
 }
 STREAMS = ("chat_stream", "completion_stream")
+# requests an engine or the gateway still holds (gauges on /metrics)
+HELD = ("vllm:num_requests_running", "vllm:num_requests_waiting", "npugw_engine_unfinished_requests",
+        "npugw_requests_running", "npugw_queue_depth")
+IDLE_TOLERANCE = 3  # tasks or fds more than before the load, once idle again
 WORDS = ("river stone light market garden engine paper winter signal harbor violet copper "
          "lantern orbit meadow cipher falcon ember glacier quartz").split()
 
@@ -324,22 +328,25 @@ class Driver:
                       f"eng={s['engine_running'] + s['engine_waiting']:3.0f} ttft99={_f(s['ttft_p99_ms'])}ms "
                       f"unexpected={sum(s['unexpected'].values())}", flush=True)
 
-    async def idle(self, deadline: float = 60.0) -> dict[str, Any]:
+    async def idle(self, deadline: float = 60.0, back_to: dict[str, Any] | None = None) -> dict[str, Any]:
         """After the load: wait (bounded) until no engine holds a request and
-        nothing is queued or running in the gateway; then the idle counts."""
+        nothing is queued or running in the gateway, and (`back_to`: the idle
+        counts before the load) until the task and fd counts are back within
+        IDLE_TOLERANCE (closed connections take a moment to go); then the
+        idle counts. A deadline for a hang, not a timing check."""
         end = time.monotonic() + deadline
-        m = await self.scrape()
-        while time.monotonic() < end:
-            held = (m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
-                    + m["npugw_engine_unfinished_requests"] + m["npugw_requests_running"] + m["npugw_queue_depth"])
-            if held == 0:
-                break
+        while True:
+            out: dict[str, Any] = await self.scrape()
+            if self.t.pid is not None:
+                out["fds"] = process_figures(self.t.pid)["fds"]
+            held = sum(out[k] for k in HELD)
+            back = back_to is None or (
+                out["npugw_asyncio_tasks"] - back_to["npugw_asyncio_tasks"] <= IDLE_TOLERANCE
+                and out.get("fds", 0) - back_to.get("fds", 0) <= IDLE_TOLERANCE)
+            if (held == 0 and back) or time.monotonic() > end:
+                out["waited_s"] = round(deadline - (end - time.monotonic()), 1)
+                return out
             await asyncio.sleep(0.5)
-            m = await self.scrape()
-        out: dict[str, Any] = {"waited_s": round(deadline - max(0.0, end - time.monotonic()), 1), **m}
-        if self.t.pid is not None:
-            out["fds"] = process_figures(self.t.pid)["fds"]
-        return out
 
 
 def _ms(v: float | None) -> float | None:
@@ -361,7 +368,8 @@ def flat(ts: list[float], ys: list[float], abs_tol: float = 10, rel_tol: float =
 
 
 def goals(samples: list[dict[str, Any]], ttft: list[tuple[float, float]], duration: float,
-          idle_before: dict[str, Any] | None, idle_after: dict[str, Any] | None) -> dict[str, Any]:
+          idle_before: dict[str, Any] | None, idle_after: dict[str, Any] | None,
+          count_tolerance: float = 10) -> dict[str, Any]:
     warm = 300.0 if duration >= 3600 else duration / 12
     win = 600.0 if duration >= 3600 else duration / 6
     after = [s for s in samples if s["t"] >= warm and not s.get("tail")]  # trends under load only
@@ -377,9 +385,9 @@ def goals(samples: list[dict[str, Any]], ttft: list[tuple[float, float]], durati
             mean = sum(ys) / len(ys)
             per_h = slope(ts, ys) * 3600 / mean * 100 if mean else 0.0
             rss[name] = {"mean_mb": round(mean, 1), "pct_per_hour": round(per_h, 3), "ok": per_h <= 2.0}
-        out["fds"] = flat(ts, [float(s["fds"]) for s in after])
+        out["fds"] = flat(ts, [float(s["fds"]) for s in after], count_tolerance)
     out["rss"] = rss
-    out["tasks"] = flat(ts, [float(s["tasks"]) for s in after])
+    out["tasks"] = flat(ts, [float(s["tasks"]) for s in after], count_tolerance)
     unexpected: Counter[str] = Counter()
     for s in samples:
         unexpected.update(s["unexpected"])
@@ -392,13 +400,12 @@ def goals(samples: list[dict[str, Any]], ttft: list[tuple[float, float]], durati
     out["ttft_p99"] = {"first_ms": _ms(p_first), "last_ms": _ms(p_last), "ratio": ratio and round(ratio, 3),
                        "ok": None if ratio is None else ratio <= 1.2}
     if idle_before is not None and idle_after is not None:
-        held = sum(idle_after.get(k, 0) for k in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                                                  "npugw_engine_unfinished_requests", "npugw_requests_running",
-                                                  "npugw_queue_depth"))
+        held = sum(idle_after.get(k, 0) for k in HELD)
         out["drained"] = {"held_after": held, "waited_s": idle_after["waited_s"], "ok": held == 0}
         d_tasks = idle_after["npugw_asyncio_tasks"] - idle_before["npugw_asyncio_tasks"]
         d_fds = idle_after.get("fds", 0) - idle_before.get("fds", 0)
-        out["idle_back"] = {"tasks_delta": d_tasks, "fds_delta": d_fds, "ok": d_tasks <= 3 and d_fds <= 3}
+        out["idle_back"] = {"tasks_delta": d_tasks, "fds_delta": d_fds,
+                            "ok": d_tasks <= IDLE_TOLERANCE and d_fds <= IDLE_TOLERANCE}
     checks = [v["ok"] for v in rss.values()] + [out[k]["ok"] for k in
                                                 ("fds", "tasks", "unexpected_errors", "ttft_p99", "drained",
                                                  "idle_back") if k in out]
@@ -409,10 +416,11 @@ def goals(samples: list[dict[str, Any]], ttft: list[tuple[float, float]], durati
 async def soak(target: Target, duration: float, interval: float, *, rate: float | None = None,
                concurrency: int | None = None, capacity_seconds: float = 60, capacity_concurrency: int = 32,
                load: float = 0.7, connections: int = 2000, seed: int = 0, verbose: bool = True,
-               journal: str | None = None) -> dict[str, Any]:
+               journal: str | None = None, count_tolerance: float = 10,
+               mix: dict[str, int] | None = None) -> dict[str, Any]:
     """Warm-up, capacity (unless `rate` or `concurrency`), the soak itself,
     the drain; returns samples, totals and goals."""
-    d = Driver(target, seed=seed)
+    d = Driver(target, mix, seed=seed)
     res: dict[str, Any] = {}
     conn = aiohttp.TCPConnector(limit=connections, limit_per_host=connections)
     async with aiohttp.ClientSession(connector=conn) as d.session:
@@ -450,11 +458,11 @@ async def soak(target: Target, duration: float, interval: float, *, rate: float 
         samples.append(tail)
     conn = aiohttp.TCPConnector(limit=4)
     async with aiohttp.ClientSession(connector=conn) as d.session:
-        after = await d.idle()
+        after = await d.idle(back_to=before)
     res.update(
-        duration_s=duration, interval_s=interval, rate=rate, concurrency=concurrency, skipped=d.skipped,
+        mix=dict(zip(d.kinds, d.weights, strict=True)), duration_s=duration, interval_s=interval, rate=rate, concurrency=concurrency, skipped=d.skipped,
         totals=dict(sorted(d.totals.items())), idle_before=before, idle_after=after, samples=samples,
-        goals=goals(samples, d.ttft_all, duration, before, after),
+        goals=goals(samples, d.ttft_all, duration, before, after, count_tolerance),
     )
     return res
 

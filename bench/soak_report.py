@@ -54,9 +54,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ready-timeout", type=float, default=600)
     ap.add_argument("--name", help="results name (default soak_real / soak_simulated)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mix", nargs="*", default=[], metavar="KIND=WEIGHT",
+                    help="change the default mix's weights (0 drops a kind), e.g. chat=1 completion=1")
     args = ap.parse_args(argv)
     if args.concurrency is not None and not 1 <= args.concurrency <= 4000:
         raise SystemExit("bounded: 1 <= --concurrency <= 4000")
+    mix = dict(_soak.MIX)
+    for item in args.mix:
+        kind, _, w = item.partition("=")
+        if kind not in mix or not w.isdigit():
+            raise SystemExit(f"--mix {item!r}: KIND=WEIGHT with KIND one of {', '.join(mix)}")
+        mix[kind] = int(w)
+    args.mix = {k: w for k, w in mix.items() if w}
     if not 1 <= args.duration <= 4 * 3600:
         raise SystemExit("bounded: --duration up to 4 hours")
     return args
@@ -100,7 +109,7 @@ def run_cli(argv: list[str] | None = None) -> int:
             res = asyncio.run(soak(
                 target, args.duration, args.sample_interval, rate=args.rate, concurrency=args.concurrency,
                 capacity_seconds=args.capacity_seconds, capacity_concurrency=args.capacity_concurrency,
-                load=args.load, seed=args.seed, journal=str(journal),
+                load=args.load, seed=args.seed, journal=str(journal), mix=args.mix,
             ))
     cmd = "python bench/soak.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     out = {
