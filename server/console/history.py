@@ -43,18 +43,20 @@ def wanted(rec: Mapping[str, Any]) -> bool:
 
 
 class Recent:
-    """The last `size` requests, newest first when read."""
+    """The last `size` requests, newest first when read. The records are
+    kept as they came (a reference: the request path copies nothing) and
+    cut down to RECENT_FIELDS when read."""
 
     def __init__(self, size: int = 200) -> None:
-        self._items: deque[dict[str, Any]] = deque(maxlen=size)
+        self._items: deque[Mapping[str, Any]] = deque(maxlen=size)
         self.seen = 0
 
     def add(self, rec: Mapping[str, Any]) -> None:
-        self._items.append({k: rec.get(k) for k in RECENT_FIELDS})
+        self._items.append(rec)
         self.seen += 1
 
     def items(self, limit: int | None = None) -> list[dict[str, Any]]:
-        out = list(reversed(self._items))
+        out = [{k: rec.get(k) for k in RECENT_FIELDS} for rec in reversed(self._items)]
         return out if limit is None else out[:limit]
 
 
@@ -71,7 +73,7 @@ class _Samples:
         if len(self.values) < self.cap:
             self.values.append(v)
         else:
-            i = rng.randrange(self.n)
+            i = int(rng.random() * self.n)  # uniform in [0, n): randrange costs 3x more
             if i < self.cap:
                 self.values[i] = v
 
