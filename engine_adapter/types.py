@@ -119,8 +119,22 @@ class RelayUsage:
 
     @classmethod
     def from_dict(cls, usage: Any) -> RelayUsage | None:
+        """OpenAI's chat/completions usage, the Responses API's
+        (`input_tokens`, `output_tokens`, `input_tokens_details`) or
+        Anthropic's (`input_tokens` without the cache reads)."""
         if not isinstance(usage, dict):
             return None
+        if "input_tokens" in usage and "prompt_tokens" not in usage:
+            try:
+                if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:  # Anthropic
+                    cached = int(usage.get("cache_read_input_tokens") or 0)
+                    fresh = int(usage.get("input_tokens") or 0) + int(usage.get("cache_creation_input_tokens") or 0)
+                    return cls(fresh + cached, int(usage.get("output_tokens") or 0), cached)
+                details = usage.get("input_tokens_details") or {}
+                return cls(int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0),
+                           int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0)
+            except (TypeError, ValueError):
+                return None
         details = usage.get("prompt_tokens_details") or {}
         try:
             return cls(

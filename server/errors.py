@@ -227,8 +227,14 @@ class Shape:
     def body(self, err: GatewayError) -> dict[str, Any]:
         return error_body(err)
 
+    def native(self, body: bytes) -> bool:
+        """Whether a node's error body is already in this shape."""
+        return False
+
     def response(self, err: GatewayError) -> Response:
         if self.table is KINDS:  # OpenAI's: the module's own response (an upstream's refusal relayed as is)
+            return error_response(err)
+        if isinstance(err, UpstreamRejected) and self.native(err.body):  # a node that serves this API refused
             return error_response(err)
         return Response(
             orjson.dumps(self.body(err)), status_code=self.kind(err).status, media_type="application/json",
@@ -240,10 +246,24 @@ class _AnthropicShape(Shape):
     def body(self, err: GatewayError) -> dict[str, Any]:
         return {"type": "error", "error": {"type": self.kind(err).type, "message": err.message}}
 
+    def native(self, body: bytes) -> bool:
+        return _json_has(body, "type", "error")
+
 
 class _TgiShape(Shape):
     def body(self, err: GatewayError) -> dict[str, Any]:
         return {"error": err.message, "error_type": self.kind(err).type}
+
+    def native(self, body: bytes) -> bool:
+        return _json_has(body, "error_type")
+
+
+def _json_has(body: bytes, key: str, value: Any = None) -> bool:
+    try:
+        obj = orjson.loads(body)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and key in obj and (value is None or obj[key] == value)
 
 
 OPENAI = Shape(KINDS)

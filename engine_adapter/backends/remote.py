@@ -42,6 +42,7 @@ import aiohttp
 import orjson
 
 from engine_adapter.backends.aggregate import aggregate
+from engine_adapter.backends.api_relay import relay_stream
 from engine_adapter.errors import (
     EngineError,
     InvalidRequest,
@@ -348,7 +349,11 @@ class Opened:
                 for item in remote._whole(self.ep, self.body, rewrite):
                     yield item
                 return
-            if call.stream:
+            if call.stream and call.path not in GENERATION_PATHS:  # Responses, Messages, /generate: api_relay.py
+                up, ep = remote.upstream, self.ep
+                items = relay_stream(f"{up.cfg.name!r} ({ep.url})", resp, call.path, rewrite,
+                                     lambda why: up.failed(ep, why), lambda: up.succeeded(ep), up.cfg.read_timeout)
+            elif call.stream:
                 items = remote._stream(self.ep, resp, rewrite, want_usage=call.want_usage)
             else:  # a non-streaming client of a generation endpoint
                 items = remote._joined(self.ep, resp, call.path, rewrite)

@@ -21,6 +21,12 @@ requests, each guarded by a circuit breaker (passive) and health checks
   `max_model_len`. A node that does not serve the expected model is named
   in the log and in `/admin/routes`, with what it does serve.
 
+- Client APIs: the first good check also reads the node's `/openapi.json`
+  once, to learn which of the other client APIs it serves (Responses,
+  Messages, count_tokens, /generate, TGI; engine_adapter/backends/api_relay.py),
+  unless `;api=a,b` (or `none`) says. A request for one it lacks is sent to
+  its chat or completions endpoint instead (the routes translate).
+
 An `Upstream` owns one aiohttp `ClientSession` (a pooled `TCPConnector`, no
 global connection limit: the WorkerPool in front bounds concurrency) shared by
 every request to it, so a dead or black-holed upstream only ever holds its own
@@ -40,6 +46,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
+from engine_adapter.backends.api_relay import apis_from_openapi, parse_apis
 from engine_adapter.entry import parse_entry
 from engine_adapter.errors import GatewayError, ServiceUnavailable
 from engine_adapter.routing.policy import RouteKey, RoutingPolicy
@@ -62,6 +69,7 @@ class UpstreamConfig:
     cooldown: float = 10.0
     max_model_len: int | None = None  # default: the upstream's /v1/models
     api_key_env: str | None = None  # environment variable holding the upstream key
+    api: str | None = None  # the client APIs the node serves (api_relay.API_NAMES); default: its /openapi.json
     plain: Literal["direct", "stream"] = "direct"  # how a non-streaming client's generation is called
 
 
@@ -70,7 +78,7 @@ _NUMBERS: dict[str, Callable[[str], float | int]] = {
     "connect_timeout": float, "read_timeout": float, "health_interval": float,
     "cooldown": float, "eject_after": int, "max_model_len": int,
 }
-_TEXTS = ("model", "api_key_env", "plain")
+_TEXTS = ("model", "api_key_env", "api", "plain")
 
 
 def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:
@@ -90,6 +98,8 @@ def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:
     cfg = UpstreamConfig(name=name, urls=tuple(u.removesuffix("/v1") for u in found), **kw)
     if cfg.eject_after < 1 or min(cfg.connect_timeout, cfg.read_timeout, cfg.health_interval, cfg.cooldown) <= 0:
         raise ValueError(f"upstream {name!r}: timeouts, intervals and eject_after must be positive")
+    if cfg.api is not None:
+        parse_apis(cfg.api, name)
     if cfg.plain not in ("direct", "stream"):
         raise ValueError(f"upstream {name!r}: plain={cfg.plain!r} is not one of direct, stream")
     return cfg
@@ -106,6 +116,7 @@ class Endpoint:
     healthy: bool = True  # the active health checks' verdict
     model_id: str | None = None  # the node's model id, from its /v1/models
     serves: tuple[str, ...] = ()  # every model id the node listed
+    apis: frozenset[str] | None = None  # the client APIs its /openapi.json shows (None: not read yet)
     ejected: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     check_failures: int = 0
     ejections: int = 0
@@ -219,6 +230,15 @@ class Upstream:
         /v1/models said, else the served name."""
         return self.cfg.model or ep.model_id or self.cfg.name
 
+    @property
+    def apis(self) -> frozenset[str]:
+        """The client APIs every URL serves: `;api=`, else what their
+        /openapi.json showed (none until one was read)."""
+        if self.cfg.api is not None:
+            return parse_apis(self.cfg.api, self.cfg.name)
+        known = [ep.apis for ep in self.endpoints if ep.apis is not None]
+        return frozenset.intersection(*known) if known else frozenset()
+
     def describe(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         return [
@@ -226,6 +246,7 @@ class Upstream:
                 "url": ep.url, "model": self.model_for(ep), "serves": list(ep.serves), "healthy": ep.healthy,
                 "breaker": ep.state_at(now, self.cfg.cooldown), "outstanding": ep.outstanding,
                 "last_error": ep.last_error,
+                "apis": sorted(parse_apis(self.cfg.api, self.cfg.name) if self.cfg.api is not None else ep.apis or ()),
             }
             for ep in self.endpoints
         ]
@@ -308,6 +329,8 @@ class Upstream:
             ep.model_id = str(card["id"])
             if self.cfg.max_model_len is None and isinstance(card.get("max_model_len"), int):
                 self.max_model_len = card["max_model_len"]
+            if ep.apis is None and self.cfg.api is None:
+                await self._read_apis(ep, timeout)
         except (aiohttp.ClientError, *TIMEOUTS, ValueError, AttributeError, _CheckFailed, GatewayError) as e:
             why = str(e) or type(e).__name__
             ep.check_failures += 1
@@ -331,6 +354,22 @@ class Upstream:
             ep.healthy = True
             ep.ejected = asyncio.get_running_loop().create_future()
             logger.info("upstream %s %s: health checks pass again", self.cfg.name, ep.url)
+
+    async def _read_apis(self, ep: Endpoint, timeout: aiohttp.ClientTimeout) -> None:
+        """Which client APIs the node serves, from its /openapi.json (once;
+        a node without one serves none of them; a failed read is retried at
+        the next check)."""
+        try:
+            async with self.session.get(ep.url + "/openapi.json", timeout=timeout) as r:
+                if r.status in (404, 405):
+                    ep.apis = frozenset()
+                elif r.status == 200:
+                    ep.apis = apis_from_openapi(orjson.loads(await r.read()))
+        except (aiohttp.ClientError, *TIMEOUTS, ValueError, AttributeError, KeyError) as e:
+            logger.info("upstream %s %s: /openapi.json not read (%s)", self.cfg.name, ep.url, e)
+            return
+        if ep.apis is not None:
+            logger.info("upstream %s %s: client APIs: %s", self.cfg.name, ep.url, ", ".join(sorted(ep.apis)) or "none")
 
     def _forget(self, ep: Endpoint) -> None:
         """An ejected URL loses its routing entries: it may come back restarted."""

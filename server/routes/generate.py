@@ -24,9 +24,11 @@ from engine_adapter.types import EngineOutput, GenerationRequest, SamplingOption
 from server.auth import Principal
 from server.deps import AuthDep, GatewayDep
 from server.errors import tgi_error_event
-from server.generation import Key, admit, json_response, session_of, stream_response
+from server.generation import Key, admit, forwarded, json_response, session_of, stream_response
 from server.protocol_generate import GenerateRequest, TgiGenerateRequest, VllmGenerateRequest
+from server.relay_apis import ApiAsk, relayed_response
 from server.render import Choice
+from server.routes.generate_relay import TgiView, VllmView, estimate_tgi, estimate_vllm, tgi_completion, vllm_completion
 from server.state import Gateway, ServedModel
 from server.validation import budget, deadline_after, new_id, sampling_options
 
@@ -47,6 +49,14 @@ _STREAM = {**_ERRORS, 200: {"description": "TGI's token events", "content": {"te
 async def generate(body: GenerateRequest, request: Request, gw: GatewayDep, principal: AuthDep) -> Response:
     if isinstance(body, TgiGenerateRequest):
         return await _tgi(body, request, gw, principal, stream=False)
+    target = _model(gw, principal, body.model)
+    if target.pool.relays:  # upstream nodes: passed through, or translated to completions for them
+        ask = _relay_ask(request, gw, principal, "generate", "/generate", vllm_completion(body), body.stream,
+                         body.max_tokens, principal.priority_for(body.priority, "priority" in body.model_fields_set))
+        gen = await admit(request, gw, principal, target, await ask, session_of(request, body.user))
+        return await relayed_response(request, gen, "/generate", VllmView(body.prompt), stream=body.stream,
+                                      media_type="application/x-ndjson" if body.stream else "application/json",
+                                      estimate=estimate_vllm)
     model, req = _vllm_request(body, gw, principal)
     gen = await admit(request, gw, principal, model, [req], session_of(request, body.user))
     texts: dict[int, list[str]] = {i: [] for i in range(req.sampling.n)}
@@ -166,8 +176,31 @@ def _top(lp: TokenLogprob) -> list[dict[str, Any]]:
     return [{"id": i, "text": t, "logprob": v, "special": False} for i, t, v in lp.top]
 
 
+async def _relay_ask(
+    request: Request, gw: Gateway, principal: Principal, api: str, path: str, completion: dict[str, Any],
+    stream: bool, max_tokens: int | None, priority: int,
+) -> ApiAsk:
+    return ApiAsk(
+        await request.body(), gw=gw, api=api, path=path, via="/v1/completions", build=_no_local,
+        translate=lambda: completion, request_id=new_id("gen"), stream=stream, want_usage=False, priority=priority,
+        deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name, max_tokens=max_tokens,
+        forward=forwarded(request),
+    )
+
+
+def _no_local(pool: Any) -> list[GenerationRequest]:
+    raise InvalidRequest("this model is served by upstream nodes only")
+
+
 async def _tgi(body: TgiGenerateRequest, request: Request, gw: Gateway, principal: Principal, stream: bool) -> Response:
     p = body.parameters
+    target = _model(gw, principal, body.model)
+    if target.pool.relays:  # upstream nodes: passed through, or translated to completions for them
+        path = "/generate_stream" if stream else "/generate"
+        ask = _relay_ask(request, gw, principal, "tgi", path, tgi_completion(body), stream, p.max_new_tokens,
+                         principal.priority_for(0, False))
+        gen = await admit(request, gw, principal, target, await ask, session_of(request, None))
+        return await relayed_response(request, gen, path, TgiView(gen, body), stream=stream, estimate=estimate_tgi)
     model, req = _tgi_request(body, gw, principal, stream)
     gen = await admit(request, gw, principal, model, [req], session_of(request, None))
     prefix = body.inputs if p.return_full_text else ""

@@ -13,22 +13,27 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from engine_adapter.types import EngineOutput
+from engine_adapter.errors import EngineError, GatewayError, InvalidRequest
+from engine_adapter.types import EngineOutput, GenerationRequest
+from server.auth import Principal
 from server.chat_bridge import as_chat, prepare
 from server.deps import AuthDep, GatewayDep
 from server.errors import anthropic_error_event
-from server.generation import Generation, Key, admit, json_response, session_of, stream_response
+from server.generation import Generation, Key, admit, forwarded, json_response, session_of, stream_response
 from server.protocol_anthropic import CountTokensRequest, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
+from server.relay_apis import ApiAsk, relayed_response
 from server.render import Choice
 from server.routes.docs import JSON_OR_SSE
+from server.state import Gateway
 from server.tools import ToolPlan, ToolStreamer, plan_tools
-from server.validation import chat_prompt
+from server.validation import chat_prompt, deadline_after, new_id
 
 logger = logging.getLogger(__name__)
 router = APIRouter(tags=["anthropic"])
@@ -101,12 +106,22 @@ def chat_fields(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
 async def create_message(body: MessagesRequest, request: Request, gw: GatewayDep, principal: AuthDep) -> Response:
     if body.model_extra:
         logger.debug("ignoring unknown fields: %s", ", ".join(body.unknown_fields()))
-    chat = as_chat(chat_fields(body), _PARAMS)
+    fields = chat_fields(body)
+    chat = as_chat(fields, _PARAMS)
+    user = body.metadata.user_id if body.metadata else None
+    model = gw.resolve(chat.model)
+    if model.pool.relays:  # upstream nodes: passed through, or translated to chat for them
+        principal.check_model(model.id)
+        rid = new_id("msg")
+        ask = _relay_ask(request, gw, principal, "messages", "/v1/messages", "/v1/chat/completions", lambda: fields,
+                         rid, body.stream, body.max_tokens, body.priority, "priority" in body.model_fields_set)
+        gen = await admit(request, gw, principal, model, await ask, session_of(request, user))
+        view = _Messages(gen, ToolPlan(), rid, late_usage=True)
+        return await relayed_response(request, gen, "/v1/messages", view, stream=body.stream)
     plan = prepare(gw, principal, chat, id_prefix="msg", priority=body.priority,
                    explicit_priority="priority" in body.model_fields_set, params=_PARAMS)
-    user = body.metadata.user_id if body.metadata else None
     gen = await admit(request, gw, principal, plan.model, [plan.request], session_of(request, user))
-    view = _Messages(gen, plan.tools)
+    view = _Messages(gen, plan.tools, plan.request.request_id)
     if body.stream:
         return stream_response(gen, view.render, view.tail, gw.settings.sse_keep_alive_interval,
                                head=view.head, on_error=anthropic_error_event, ping=PING)
@@ -114,14 +129,72 @@ async def create_message(body: MessagesRequest, request: Request, gw: GatewayDep
 
 
 @router.post("/v1/messages/count_tokens", response_model=None, responses=_JSON)
-async def count_tokens(body: CountTokensRequest, gw: GatewayDep, principal: AuthDep) -> dict[str, Any]:
-    chat = as_chat(chat_fields(body), _PARAMS)
+async def count_tokens(body: CountTokensRequest, request: Request, gw: GatewayDep, principal: AuthDep) -> Response:
+    fields = chat_fields(body)
+    chat = as_chat(fields, _PARAMS)
     model = gw.resolve(chat.model)
     principal.check_model(model.id)
+    if model.pool.relays:  # the node counts: its own count_tokens, else its /tokenize of the chat messages
+        rid = new_id("count")
+        tokenize = {k: v for k, v in fields.items() if k in ("messages", "tools", "add_generation_prompt",
+                                                             "continue_final_message")}
+        ask = _relay_ask(request, gw, principal, "count_tokens", "/v1/messages/count_tokens", "/tokenize",
+                         lambda: tokenize, rid, False, 0, 0, False, via_stream=False)
+        gen = await admit(request, gw, principal, model, await ask, None)
+        return await relayed_response(request, gen, "/v1/messages/count_tokens", _Counted(gen), stream=False)
     tok = model.pool.tokenizer
     plan = plan_tools(chat, tok)
     _, ids = chat_prompt(chat, tok, plan.template_tools, plan.chat_template)
-    return {"input_tokens": len(ids)}
+    return Response(orjson.dumps({"input_tokens": len(ids)}), media_type="application/json")
+
+
+async def _relay_ask(
+    request: Request, gw: Gateway, principal: Principal, api: str, path: str, via: str,
+    translate: Callable[[], dict[str, Any]], rid: str, stream: bool, max_tokens: int, priority: int,
+    explicit: bool, via_stream: bool = True,
+) -> ApiAsk:
+    return ApiAsk(
+        await request.body(), gw=gw, api=api, path=path, via=via, build=_no_local, translate=translate,
+        via_stream=via_stream, request_id=rid, stream=stream, want_usage=False,
+        priority=principal.priority_for(priority, explicit), deadline=deadline_after(gw.settings.request_timeout),
+        api_key_name=principal.name, max_tokens=max_tokens, forward=forwarded(request),
+    )
+
+
+def _no_local(pool: Any) -> list[GenerationRequest]:
+    raise InvalidRequest("this model is served by upstream nodes only")
+
+
+class _Counted:
+    """A node's /tokenize answer as count_tokens' (a translated call)."""
+
+    def __init__(self, gen: Generation) -> None:
+        self.gen = gen
+        self.count = 0
+
+    def from_raw(self, raw: bytes) -> dict[str, Any]:
+        try:
+            count = orjson.loads(raw).get("count")
+        except (ValueError, AttributeError):
+            count = None
+        if not isinstance(count, int):
+            raise EngineError("upstream /tokenize answer has no count", code="upstream_error")
+        return {"input_tokens": count}
+
+    def head(self) -> bytes:
+        return b""
+
+    def feed(self, delta: dict[str, Any], finish_reason: str | None, stop_reason: str | int | None) -> bytes:
+        return b""
+
+    def tail(self) -> bytes:
+        return b""
+
+    def whole(self) -> dict[str, Any]:
+        return {}
+
+    def failed(self, err: GatewayError) -> bytes:
+        return anthropic_error_event(err)
 
 
 def _dumps(obj: dict[str, Any]) -> str:
@@ -155,10 +228,13 @@ def _stop(finish_reason: str | None, stop_reason: str | int | None) -> tuple[str
 class _Messages:
     """Engine deltas -> a message, or Anthropic's event stream."""
 
-    def __init__(self, gen: Generation, plan: ToolPlan) -> None:
+    def __init__(self, gen: Generation, plan: ToolPlan, rid: str, late_usage: bool = False) -> None:
         self.gen = gen
         self.plan = plan
-        self.id = gen.requests[0].request_id.replace("msg-", "msg_", 1)
+        self.id = rid.replace("msg-", "msg_", 1)
+        self.late_usage = late_usage  # the input's usage is known only at the end (a translated call)
+        self.content: list[dict[str, Any]] = []  # the blocks so far (for `whole`)
+        self.called = False
         self.streamer: ToolStreamer | None = plan.streamer() if plan.active else None
         self.blocks = 0  # content blocks started
         self.open: int | None = None  # the open block's index
@@ -206,28 +282,48 @@ class _Messages:
     def render(self, _: int, batch: list[EngineOutput]) -> bytes | None:
         parts: list[bytes] = []
         for out in batch:
-            if self.streamer is None:
-                parts.append(self._text(out.text))
-            else:
-                for d in self.streamer.feed(out.text, final=out.finished):
-                    if d.get("content"):
-                        parts.append(self._text(d["content"]))
-                    for tc in d.get("tool_calls", ()):
-                        parts.append(self._tool(tc))
+            deltas = [{"content": out.text}] if self.streamer is None else self.streamer.feed(out.text,
+                                                                                              final=out.finished)
+            for d in deltas:
+                parts.append(self.feed(d, None, None))
             if out.finished:
-                self.stop_reason, self.stop_sequence = _stop(out.finish_reason, out.stop_reason)
-                if self.streamer is not None and self.streamer.called:
-                    self.stop_reason, self.stop_sequence = "tool_use", None
-                if self.blocks == 0:  # nothing was said: one empty text block, as the non-streamed answer
-                    parts.append(self._start({"type": "text", "text": ""}))
-                parts.append(self._stop_block())
+                parts.append(self.feed({}, out.finish_reason, out.stop_reason))
         return b"".join(parts) or None
+
+    def feed(self, delta: dict[str, Any], finish_reason: str | None, stop_reason: str | int | None) -> bytes:
+        """One chat delta (an engine's, through the tool streamer, or a
+        node's chunk when the request was translated for it)."""
+        parts = []
+        if delta.get("content"):
+            parts.append(self._text(delta["content"]))
+        for tc in delta.get("tool_calls") or ():
+            parts.append(self._tool(tc))
+        if finish_reason is not None:
+            self.stop_reason, self.stop_sequence = _stop(finish_reason, stop_reason)
+            if self.called or finish_reason == "tool_calls":
+                self.stop_reason, self.stop_sequence = "tool_use", None
+            if self.blocks == 0:  # nothing was said: one empty text block, as the non-streamed answer
+                parts.append(self._start({"type": "text", "text": ""}))
+            parts.append(self._stop_block())
+        return b"".join(parts)
+
+    def whole(self) -> dict[str, Any]:
+        """The message, once every delta was fed (a client that does not
+        stream, served from a translated call)."""
+        content = [{**b, "input": _input(b.pop("_json"))} if b["type"] == "tool_use" else b
+                   for b in self.content]
+        return self.message(content or [{"type": "text", "text": ""}], self.stop_reason, self.stop_sequence,
+                            self.usage())
+
+    def failed(self, err: GatewayError) -> bytes:
+        return anthropic_error_event(err)
 
     def _start(self, block: dict[str, Any]) -> bytes:
         out = self._stop_block()
         self.open = self.blocks
         self.blocks += 1
         self.open_text = block["type"] == "text"
+        self.content.append({**block, "_json": ""} if block["type"] == "tool_use" else {**block})
         return out + self._event("content_block_start", index=self.open, content_block=block)
 
     def _stop_block(self) -> bytes:
@@ -240,20 +336,24 @@ class _Messages:
         if not text:
             return b""
         head = b"" if self.open is not None and self.open_text else self._start({"type": "text", "text": ""})
+        self.content[-1]["text"] += text
         return head + self._event("content_block_delta", index=self.open, delta={"type": "text_delta", "text": text})
 
     def _tool(self, tc: dict[str, Any]) -> bytes:
         fn = tc.get("function", {})
         head = b""
-        if "id" in tc:
+        if tc.get("id"):
+            self.called = True
             head = self._start({"type": "tool_use", "id": _tool_id(tc["id"]), "name": fn["name"], "input": {}})
         args = fn.get("arguments") or ""
-        if not args:
+        if not args or self.open is None or self.open_text:
             return head
+        self.content[-1]["_json"] += args
         return head + self._event("content_block_delta", index=self.open,
                                   delta={"type": "input_json_delta", "partial_json": args})
 
     def tail(self) -> bytes:
         delta = {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
-        return (self._event("message_delta", delta=delta, usage={"output_tokens": self.gen.completion_tokens})
+        usage = self.usage() if self.late_usage else {"output_tokens": self.gen.completion_tokens}
+        return (self._event("message_delta", delta=delta, usage=usage)
                 + self._event("message_stop"))
