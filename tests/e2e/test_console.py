@@ -32,7 +32,7 @@ GATEWAY_ARGS = [
     "--api-key", USER, "--admin-api-key", ADMIN, "--access-log-format", "off",
     "--simulated-ttft", "0.02", "--simulated-itl", "0.004", "--usage-flush-interval", "0.1",
 ]
-WAIT_MS = 20_000  # a deadline for a hung page, not a timing assertion
+WAIT_MS = 30_000  # a deadline for a hung page, not a timing assertion
 CANVASES = "() => [...document.querySelectorAll('.plot canvas')].map((c) => c.toDataURL())"
 
 
@@ -131,6 +131,8 @@ def test_console_in_a_browser(sim_gateways: Callable[..., list[GatewayProcess]],
     expect(page.locator("#recent")).to_contain_text("no requests yet")
     plots_before = page.evaluate(CANVASES)
     assert len(plots_before) == 3
+    for plot in ("#plot-ttft", "#plot-itl", "#plot-tps"):
+        expect(page.locator(plot)).to_have_attribute("data-points", "0")
 
     # --- after traffic the numbers, the tables and every plot change
     n, max_tokens = 12, 16
@@ -141,13 +143,17 @@ def test_console_in_a_browser(sim_gateways: Callable[..., list[GatewayProcess]],
     expect(page.locator("#recent tbody tr")).to_have_count(n, timeout=WAIT_MS)
     expect(page.locator("#recent")).to_contain_text("/v1/chat/completions")
     expect(page.locator("#recent")).to_contain_text("key-1")
+    # every plot has points now (the TTFT and ITL plots three percentiles
+    # each), and draws something else than before
+    for plot in ("#plot-ttft", "#plot-itl", "#plot-tps"):
+        expect(page.locator(plot)).not_to_have_attribute("data-points", "0", timeout=WAIT_MS)
     page.wait_for_function(
         f"(before) => ({CANVASES})().every((url, i) => url !== before[i])", arg=plots_before, timeout=WAIT_MS
     )
     # usage per key against its budget (the ledger writes in batches: the
     # page shows them within a refresh or two of the ledger's write)
     usage_row = page.locator("#usage tbody tr", has_text="key-1")
-    expect(usage_row).to_contain_text(f"{tokens:,} / 100,000", timeout=WAIT_MS)  # tokens_per_day: used / limit
+    expect(usage_row).to_contain_text(f"{tokens:,} / 100,000", timeout=2 * WAIT_MS)  # tokens_per_day: used / limit
     expect(usage_row.locator("td").nth(1)).to_have_text(str(n))
 
     page.screenshot(path=str(tmp_path / "console.png"), full_page=True)

@@ -118,6 +118,13 @@
 
   const ms = (arr) => arr.map((v) => (v === null ? null : v * 1000));
 
+  function setPlot(id, data) {
+    plots[id].setData(data);
+    // how many points it draws (non-null, non-zero), for a test or a person reading the DOM
+    const points = data.slice(1).reduce((n, ys) => n + ys.filter((y) => y !== null && y !== 0).length, 0);
+    $(id).dataset.points = String(points);
+  }
+
   const MIN_BUCKETS = 60; // the plots span at least 10 minutes, at most the hour
 
   function drawHistory(h) {
@@ -127,9 +134,9 @@
     const from = Math.max(0, Math.min(first < 0 ? h.t.length : first, h.t.length - MIN_BUCKETS));
     const cut = (arr) => arr.slice(from);
     const t = cut(h.t);
-    plots["plot-ttft"].setData([t, ms(cut(h.ttft.p50)), ms(cut(h.ttft.p90)), ms(cut(h.ttft.p99))]);
-    plots["plot-itl"].setData([t, ms(cut(h.itl.p50)), ms(cut(h.itl.p90)), ms(cut(h.itl.p99))]);
-    plots["plot-tps"].setData([t, cut(h.tokens_per_second)]);
+    setPlot("plot-ttft", [t, ms(cut(h.ttft.p50)), ms(cut(h.ttft.p90)), ms(cut(h.ttft.p99))]);
+    setPlot("plot-itl", [t, ms(cut(h.itl.p50)), ms(cut(h.itl.p90)), ms(cut(h.itl.p99))]);
+    setPlot("plot-tps", [t, cut(h.tokens_per_second)]);
     $("n-requests").textContent = fmtInt(h.totals.requests);
     $("n-errors").textContent = fmtInt(h.totals.errors);
     $("n-tokens").textContent = fmtInt(h.totals.completion_tokens);
