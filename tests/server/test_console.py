@@ -263,3 +263,32 @@ async def test_worker_states_and_queue_by_priority(tmp_path: Path) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_a_wheel_ships_the_console_files(tmp_path: Path) -> None:
+    """A non-editable install serves the page too: the wheel holds the
+    pages, the script, the styles and uPlot with its license."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    from support import REPO
+
+    src = tmp_path / "src"
+    for part in ("server", "engine_adapter"):
+        shutil.copytree(REPO / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", str(src),
+         "-w", str(tmp_path / "dist")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("npu_gateway-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    static = REPO / "server" / "console"
+    expected = {f"server/console/{p.relative_to(static).as_posix()}"
+                for p in (*static.glob("pages/*.html"), *static.glob("static/*"))}
+    assert len(expected) >= 7 and expected <= names, sorted(expected - names)
