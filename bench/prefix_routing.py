@@ -332,7 +332,7 @@ async def main_async(a: argparse.Namespace, setup: Setup) -> dict[str, Any]:
     setup.start()
     # capacity of each workload with the default policy (closed loop)
     capacity = {}
-    for kind in ("chat", "random"):
+    for kind in a.workloads:
         wl = Workload(kind, a, f"cap-{kind}", 1)
         r = await measured(setup, "least-outstanding", wl, "saturation", 0)
         capacity[kind] = r["req_s"]
@@ -341,7 +341,7 @@ async def main_async(a: argparse.Namespace, setup: Setup) -> dict[str, Any]:
     result["capacity_req_s"] = capacity
     for rnd in range(a.rounds):
         order = POLICIES if rnd % 2 == 0 else POLICIES[::-1]
-        for kind in ("chat", "random"):
+        for kind in a.workloads:
             for mode in ("rate", "saturation"):
                 rate = a.rate_frac * capacity[kind]
                 for p in order:
@@ -377,8 +377,10 @@ def report(result: dict[str, Any], out: Path) -> None:
         panels.append({"title": title, "kind": "bar", "categories": cats, "ylabel": title,
                        "series": [{"label": p, "y": [s[f"{p}:{m}"] for s in result["summary"]]} for p in POLICIES]})
     p = result["params"]
+    la = [r["load_average"][0] for r in result["runs"]] or [0.0]
+    loads = f"{min(la):.0f}-{max(la):.0f}"
     plot({"title": f"least-outstanding vs prefix routing, 2 engines ({p['topology']}), medians of {p['rounds']} rounds",
-          "note": f"{result['machine']['date_utc']} {result['machine']['cpu_model']}, shared box; "
+          "note": f"{result['machine']['date_utc']} {result['machine']['cpu_model']}, shared box (load {loads}); "
                   f"{p['duration']} s per run, c={p['concurrency']}, rate {p['rate_frac']} x capacity",
           "panels": panels}, out.with_suffix(".png"))
 
@@ -394,6 +396,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of sending per run")
     ap.add_argument("--concurrency", type=int, default=16, help="closed-loop clients (saturation, capacity)")
     ap.add_argument("--rate-frac", type=float, default=0.7)
+    ap.add_argument("--workloads", nargs="+", choices=("chat", "random"), default=["chat", "random"])
     ap.add_argument("--tenants", type=int, default=8)
     ap.add_argument("--system-words", type=int, default=520, help="~600 tokens")
     ap.add_argument("--continue-frac", type=float, default=0.3)
