@@ -130,9 +130,12 @@ def summary(res: dict[str, Any]) -> str:
 
     g = res["goals"]
     rows: list[list[Any]] = []
+    anon = "rss_total" in g
     for proc, v in g["rss"].items():
-        rows.append([f"RSS {proc}", f"{v['mean_mb']:.0f} MiB mean, {v['pct_per_hour']:+.2f} %/h", "<= 2 %/h",
-                     v["ok"]])
+        total = g["rss_total"][proc] if anon else None
+        also = f" (total RSS {total['mean_mb']:.0f} MiB, {total['pct_per_hour']:+.2f} %/h)" if total else ""
+        rows.append([f"{'anon RSS' if anon else 'RSS'} {proc}",
+                     f"{v['mean_mb']:.0f} MiB mean, {v['pct_per_hour']:+.2f} %/h{also}", "<= 2 %/h", v["ok"]])
     for k in ("fds", "tasks"):
         if k in g:
             rows.append([f"{k} growth over the run", g[k]["growth"], f"<= {g[k]['tolerance']}", g[k]["ok"]])
@@ -160,8 +163,11 @@ def plot_soak(res: dict[str, Any], png: Path) -> None:
     rss = [{"label": "gateway", "x": x, "y": [v.get("gateway_rss_mb") for v in s]}]
     for proc in s[0].get("procs", {}) if s else {}:
         rss.append({"label": proc, "x": x, "y": [v["procs"].get(proc) for v in s]})
+    anon = [{"label": k, "x": x, "y": [v.get("anon", {}).get(k) for v in s]} for k in (s[0].get("anon", {}) if s else {})]
     panels = [
-        {"title": "resident memory", "xlabel": "minutes", "ylabel": "MiB", "series": rss},
+        {"title": "resident memory (RSS)", "xlabel": "minutes", "ylabel": "MiB", "series": rss},
+        *([{"title": "anonymous resident memory (RssAnon)", "xlabel": "minutes", "ylabel": "MiB", "series": anon}]
+          if anon else []),
         {"title": "gateway fds and asyncio tasks", "xlabel": "minutes", "ylabel": "count", "series": [
             {"label": "open fds", "x": x, "y": [v.get("fds") for v in s]},
             {"label": "asyncio tasks", "x": x, "y": [v["tasks"] for v in s]}]},
