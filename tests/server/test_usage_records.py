@@ -5,14 +5,20 @@ failed or cancelled, with its finish reason."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 import orjson
 import pytest
+import uvicorn
 from sim_app import running_app
-from support import wait_until
+from support import free_port, wait_until
 
-from engine_adapter.backends.simulated import SimulatedConfig
+from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
+from engine_adapter.pool import WorkerPool
+from server.app import create_app
 from server.settings import Settings
 
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
@@ -107,3 +113,37 @@ async def test_a_failing_sink_fails_nothing() -> None:
         r = await client.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 200
         await wait_until(lambda: len(seen) == 1, what="the second sink's record")
+
+
+@asynccontextmanager
+async def _live(app: Any) -> AsyncIterator[str]:
+    """`app` on a real uvicorn server on 127.0.0.1; its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.ensure_future(server.serve())
+    try:
+        await wait_until(lambda: server.started or task.done(), timeout=120, what="uvicorn to start")
+        assert server.started, "uvicorn did not start"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.mark.asyncio
+async def test_a_passed_through_request_names_its_node() -> None:
+    node_pool = WorkerPool("sim", lambda i: SimulatedEngine(SimulatedConfig(max_model_len=256)))
+    node_app = create_app(Settings(access_log_format="off"), pools=[(node_pool, ("sim",), "sim")])
+    async with _live(node_app) as node_url:
+        tier = Settings(model="none", upstream=[f"remote={node_url}"], readiness_interval=1, access_log_format="off")
+        tier_app = create_app(tier)
+        records: list[dict[str, Any]] = []
+        tier_app.state.record_sinks.append(records.append)
+        async with _live(tier_app) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
+            for stream in (False, True):
+                r = await client.post("/v1/chat/completions", json={**CHAT, "model": "remote", "stream": stream})
+                assert r.status_code == 200, r.text
+            await wait_until(lambda: len(records) == 2, what="2 records")
+    for rec in records:
+        assert rec["upstream"] == node_url and rec["target"] == "remote" and rec["model"] == "remote"
+        assert rec["completion_tokens"] == 3 and rec["status"] == 200
