@@ -13,6 +13,11 @@ serve (discovered from their `/v1/models`).
   request carries the adapter's path, and vLLM loads on demand).
 - Unload: removed from every worker; requests already running finish, new
   ones get 404.
+- Upstream nodes (`--upstream`): the entries of a node's `/v1/models` whose
+  `parent` is the node's model are its adapters (engine_adapter/routing/
+  upstream.py reads them at each health check); each is served here under
+  its own name and passed through by name (`sync_upstreams`). One a node
+  no longer lists is dropped.
 - Persistence: adapters loaded at run time are written to
   `DATA_DIR/lora_adapters.json` (atomically) and loaded again at start,
   after the `--lora-modules` ones; one that no longer loads (its folder
@@ -33,6 +38,7 @@ from typing import Any
 
 from engine_adapter.errors import GatewayError, InvalidRequest, NotFound
 from engine_adapter.lora import AdapterPool, LoraMetrics, LoraModule, read_adapter
+from engine_adapter.routing.upstream import upstreams_of
 from engine_adapter.types import LoraRef
 
 logger = logging.getLogger(__name__)
@@ -61,6 +67,7 @@ class LoraManager:
         self.adapters: dict[str, AdapterPool] = {}
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
+        self._clashes: set[str] = set()
 
     @property
     def enabled(self) -> bool:
@@ -159,6 +166,39 @@ class LoraManager:
             logger.info("LoRA adapter %s unloaded", name)
             await self._save()
             return adapter
+
+    # ---- upstream nodes ---------------------------------------------------------
+    def sync_upstreams(self, pools: Iterable[Any]) -> tuple[list[AdapterPool], list[AdapterPool]]:
+        """The adapters upstream nodes list now (what each URL's last good
+        /v1/models said): (new ones to serve, ones no node lists any more)."""
+        listed: dict[str, tuple[Any, str]] = {}
+        for pool in pools:
+            for up in upstreams_of([pool]):
+                for ep in up.endpoints:
+                    for adapter_id, root in ep.adapters.items():
+                        listed.setdefault(adapter_id, (pool, root))
+        removed = [a for n, a in self.adapters.items() if a.source == "upstream" and n not in listed]
+        for a in removed:
+            del self.adapters[a.name]
+            a.loaded = False
+            if self.metrics is not None:
+                self.metrics.remove(a.name, a.base_name)
+            logger.info("LoRA adapter %s: no upstream node lists it any more", a.name)
+        added: list[AdapterPool] = []
+        for name, (pool, root) in listed.items():
+            if name in self.adapters:
+                continue
+            if self.taken(name):
+                if name not in self._clashes:
+                    self._clashes.add(name)
+                    logger.warning("LoRA adapter %s of upstream %s: the name is served here already; not served",
+                                   name, pool.name)
+                continue
+            a = AdapterPool(name, pool, pool.name, node_name=name, root=root, metrics=self.metrics, source="upstream")
+            self.adapters[name] = a
+            added.append(a)
+            logger.info("LoRA adapter %s: served by upstream %s (passed through by name)", name, pool.name)
+        return added, removed
 
     # ---- persistence ----------------------------------------------------------
     def persisted(self) -> list[LoraModule]:

@@ -103,6 +103,14 @@ class EngineMetrics:
         self.req_generation = Histogram(
             "vllm:request_generation_tokens", "Generation tokens per request.", L, buckets=tok, registry=r
         )
+        # vLLM's LoRA info gauge, named and labelled as vLLM does (value: the
+        # time of the last update), plus model_name and engine; only each
+        # engine's latest label set is kept (vLLM keeps every one it saw).
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            [*L, "max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r,
+        )
+        self._lora_last: dict[tuple[str, str], tuple[str, ...]] = {}
         # The seed deployment's names (its PromQL must keep working).
         self.seed_running = Gauge("vllm_num_running_requests", "Requests running on the engine.", L, registry=r)
         self.seed_batch_tokens = Counter(
@@ -129,6 +137,16 @@ class EngineMetrics:
         self._child(self.seed_running, model, e).set(running)
         self._child(self.waiting, model, e).set(waiting)
         self._child(self.kv_usage, model, e).set(kv_usage)
+
+    def set_lora_info(
+        self, model: str, engine: int, max_lora: int, waiting: Iterable[str], running: Iterable[str]
+    ) -> None:
+        labels = (model, str(engine), str(max_lora), ",".join(waiting), ",".join(running))
+        last = self._lora_last.get(labels[:2])
+        if last is not None and last != labels:
+            self.lora_info.remove(*last)
+        self._lora_last[labels[:2]] = labels
+        self.lora_info.labels(*labels).set_to_current_time()
 
     def add_prefix_cache(self, model: str, engine: int, queries: int, hits: int) -> None:
         e = str(engine)

@@ -106,6 +106,7 @@ def create_app(
             if live_export is not None:
                 await live_export.stop()
             routing_admin.stop_routing(app)
+            await lora.stop_lora(app)
             gw.draining = True
             await asyncio.gather(*(p.stop(settings.shutdown_timeout) for p in started))
             if monitor is not None:

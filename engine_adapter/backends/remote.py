@@ -128,7 +128,7 @@ class RemoteEngine:
         generation = call.path in GENERATION_PATHS
         tried: list[Endpoint] = []
         last: ServiceUnavailable | None = None
-        key = up.policy.key_for_body(call.body, session) if len(up.endpoints) > 1 else None
+        key = up.policy.key_for_body(call.body, session, call.node_model) if len(up.endpoints) > 1 else None
         while True:
             try:
                 ep = up.pick(exclude=tried, key=key)
@@ -137,7 +137,7 @@ class RemoteEngine:
                     raise last from None
                 raise
             tried.append(ep)
-            node_model = up.model_for(ep)
+            node_model = call.node_model or up.model_for(ep)  # a LoRA adapter: its name on the node
             body = dict(call.body)
             body["model"] = node_model
             joined = generation and not call.stream and up.cfg.plain == "stream"

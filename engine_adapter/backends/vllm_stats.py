@@ -18,6 +18,8 @@ class GatewayStatLogger(StatLoggerBase):
         self._metrics = metrics
         self._model = engine.config.served_model_name
         self._index = engine.index
+        cfg = engine.config
+        self._max_lora = (cfg.max_loras or 1) if cfg.enable_lora else 0
 
     def record(
         self,
@@ -38,6 +40,12 @@ class GatewayStatLogger(StatLoggerBase):
                 m.set_scheduler(self._model, self._index, running, waiting, kv)
                 pc = scheduler_stats.prefix_cache_stats
                 m.add_prefix_cache(self._model, self._index, int(pc.queries), int(pc.hits))
+                if self._max_lora:
+                    m.set_lora_info(
+                        self._model, self._index, self._max_lora,
+                        getattr(scheduler_stats, "waiting_lora_adapters", None) or {},
+                        getattr(scheduler_stats, "running_lora_adapters", None) or {},
+                    )
         if iteration_stats is None or m is None:
             return
         pts = iteration_stats.prompt_token_stats

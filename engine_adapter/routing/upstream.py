@@ -116,6 +116,7 @@ class Endpoint:
     healthy: bool = True  # the active health checks' verdict
     model_id: str | None = None  # the node's model id, from its /v1/models
     serves: tuple[str, ...] = ()  # every model id the node listed
+    adapters: dict[str, str] = field(default_factory=dict)  # its LoRA adapters (parent: its model): id -> root
     apis: frozenset[str] | None = None  # the client APIs its /openapi.json shows (None: not read yet)
     ejected: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     check_failures: int = 0
@@ -327,6 +328,7 @@ class Upstream:
             ep.serves = tuple(str(m["id"]) for m in cards)
             card = self._pick_model(cards)
             ep.model_id = str(card["id"])
+            ep.adapters = {str(m["id"]): str(m.get("root") or m["id"]) for m in cards if m.get("parent") == card["id"]}
             if self.cfg.max_model_len is None and isinstance(card.get("max_model_len"), int):
                 self.max_model_len = card["max_model_len"]
             if ep.apis is None and self.cfg.api is None:
@@ -378,6 +380,8 @@ class Upstream:
 
     def _pick_model(self, cards: list[dict[str, Any]]) -> dict[str, Any]:
         ids = [str(m["id"]) for m in cards]
+        if self.cfg.model is None:  # a LoRA adapter (a card whose parent is listed too) is not a choice
+            cards = [m for m in cards if m.get("parent") not in ids] or cards
         if self.cfg.model is not None:
             for m in cards:
                 if m["id"] == self.cfg.model:

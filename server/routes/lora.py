@@ -10,6 +10,7 @@ loads `--lora-modules` and the adapters persisted in the data directory.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Annotated, Any
 
@@ -107,19 +108,51 @@ def lora_bases(gw: Gateway) -> dict[str, WorkerPool]:
     return out
 
 
+def sync_upstream_adapters(gw: Gateway) -> None:
+    """Serve the adapters the upstream nodes list now; drop the gone ones."""
+    if gw.lora is None:
+        return
+    added, removed = gw.lora.sync_upstreams(gw.pools)
+    for adapter in removed:
+        if not gw.routes_using(adapter.name):
+            gw.remove_served(adapter.name)
+    for adapter in added:
+        _serve(gw, adapter)
+
+
+async def _sync_loop(gw: Gateway, every: float) -> None:
+    while True:
+        await asyncio.sleep(every)
+        try:
+            sync_upstream_adapters(gw)
+        except Exception:  # never let the loop die
+            logger.exception("LoRA adapters of upstream nodes: sync failed")
+
+
 async def start_lora(app: FastAPI, gw: Gateway) -> None:
     """In the lifespan, once the pools run: `--lora-modules`, then the
-    adapters loaded at run time before this start."""
+    adapters loaded at run time before this start, then those of the
+    upstream nodes (and every health interval after)."""
     s = gw.settings
     bases = lora_bases(gw) if s.enable_lora else {}
     store = s.data_dir.expanduser() / STORE_NAME
     gw.lora = LoraManager(bases, max_rank=s.max_lora_rank, store=store, metrics=app.state.lora_metrics,
                           taken=gw.serves)
-    if not bases:
-        if s.enable_lora:
-            logger.warning("--enable-lora: no local generation model here takes LoRA adapters")
-        return
-    for adapter in await gw.lora.restore(s.lora_module_specs()):
-        _serve(gw, adapter)
+    if bases:
+        for adapter in await gw.lora.restore(s.lora_module_specs()):
+            _serve(gw, adapter)
+    elif s.enable_lora:
+        logger.warning("--enable-lora: no local generation model here takes LoRA adapters")
+    if any(p.relays for p in gw.pools):
+        sync_upstream_adapters(gw)
+        app.state.lora_sync = asyncio.ensure_future(_sync_loop(gw, s.upstream_health_interval))
     if gw.lora.adapters:
         logger.info("LoRA adapters: %s", ", ".join(f"{a.name} ({a.base_name})" for a in gw.lora.adapters.values()))
+
+
+async def stop_lora(app: FastAPI) -> None:
+    task = getattr(app.state, "lora_sync", None)
+    if task is not None:
+        app.state.lora_sync = None
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
