@@ -150,6 +150,8 @@ async def test_postgres_stopped_mid_load_fails_no_request_and_loses_no_row(
     wait_until_sync(lambda: count_rows(postgres, database) == total, timeout=90, what=f"{total} rows after the outage")
     metrics = httpx.get(gw.url + "/metrics", timeout=30).text
     assert metric_value(metrics, "npugw_usage_records_total", outcome="replayed") == spooled
+    print(f"outage: {total} requests, {written_before:.0f} written before PostgreSQL stopped, {spooled:.0f} spooled "
+          "and replayed")
     assert metric_value(metrics, "npugw_usage_spool_bytes") == 0
     assert count_rows(postgres, database) == total  # and no more: each record once
     assert done_at_stop == 100
@@ -169,6 +171,7 @@ async def test_two_replicas_share_one_budget(
         send(a.url, 3 * limit, concurrency, ALICE), send(b.url, 3 * limit, concurrency, ALICE)
     )
     ok_a, ok_b = got_a.count(200), got_b.count(200)
+    print(f"two replicas served {ok_a} + {ok_b} = {ok_a + ok_b} requests on a budget of {limit}")
     assert set(got_a) | set(got_b) == {200, 429}
     assert ok_a > 0 and ok_b > 0  # both replicas served the key
     # Together they spent the budget and went over it by no more than what
