@@ -3,7 +3,7 @@ one per API family, used for JSON error bodies and for SSE error events alike:
 
 - OpenAI (`KINDS`): every route but the two below;
 - Anthropic (`ANTHROPIC_KINDS`): paths under `/v1/messages`;
-- TGI (`TGI_KINDS`): `/generate` and `/generate_stream` (both of their shapes).
+- TGI (`TGI_KINDS`): `/generate`, `/generate_stream` (both of their shapes) and TGI's `POST /`.
 
 `shape_for(path)` picks the family; the exception handlers and the
 middleware's pre-checks answer in it."""
@@ -274,7 +274,7 @@ TGI = _TgiShape(TGI_KINDS)
 def shape_for(path: str) -> Shape:
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return ANTHROPIC
-    if path in ("/generate", "/generate_stream"):
+    if path in ("/generate", "/generate_stream", "/"):  # "/": TGI's compat route
         return TGI
     return OPENAI
 

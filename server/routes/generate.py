@@ -5,7 +5,10 @@
   one JSON object per line, each with every choice's text so far.
 - TGI: `{"generated_text", "details"?}`; `/generate_stream` sends TGI's
   token events (`data:{"index", "token", "generated_text", "details"}`), the
-  last one with the whole text.
+  last one with the whole text. `POST /` is TGI's compat route (the one its
+  `text-generation` client calls): it streams when the body says `stream`,
+  else it answers `/generate`'s object in a one-item list.
+- Upstream models: server/relay_apis.py and generate_relay.py.
 
 Errors on both paths take TGI's shape, `{"error", "error_type"}`
 (server/errors.py: `TGI_KINDS`).
@@ -81,6 +84,19 @@ async def generate(body: GenerateRequest, request: Request, gw: GatewayDep, prin
 @router.post("/generate_stream", response_model=None, responses=_STREAM)
 async def generate_stream(body: TgiGenerateRequest, request: Request, gw: GatewayDep, principal: AuthDep) -> Response:
     return await _tgi(body, request, gw, principal, stream=True)
+
+
+@router.post("/", response_model=None, responses=_GENERATE, include_in_schema=True)
+async def tgi_compat(body: TgiGenerateRequest, request: Request, gw: GatewayDep, principal: AuthDep) -> Response:
+    """TGI's compat route, which its `text-generation` client calls: the body's
+    `stream` picks `/generate_stream`, else `/generate`'s answer in a list."""
+    if body.stream:
+        return await _tgi(body, request, gw, principal, stream=True)
+    resp = await _tgi(body, request, gw, principal, stream=False)
+    if resp.status_code != 200:
+        return resp
+    return Response(b"[" + bytes(resp.body) + b"]", media_type="application/json", headers={
+        k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")})
 
 
 def _model(gw: Gateway, principal: Principal, name: str | None) -> ServedModel:

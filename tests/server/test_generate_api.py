@@ -137,3 +137,18 @@ async def test_new_routes_are_published_and_counted(tmp_path: Path) -> None:
         metrics = (await http.get("/metrics")).text
         for path, method in NEW_ROUTES:
             assert metric_value(metrics, "npugw_http_requests_total", route=path, method=method.upper()) == 1, path
+
+
+@pytest.mark.asyncio
+async def test_tgi_compat_route_answers_a_list_or_streams(tmp_path: Path) -> None:
+    """POST / is what the `text-generation` client calls (TGI's compat route)."""
+    async with serve_scripted(Settings(data_dir=tmp_path)) as live, httpx.AsyncClient(base_url=live.url) as http:
+        body = {"inputs": "Hi. ", "parameters": {"max_new_tokens": 50, "details": True}}
+        r = await http.post("/", json=body)
+        assert r.status_code == 200 and isinstance(r.json(), list) and len(r.json()) == 1
+        assert r.json()[0]["generated_text"] == DEFAULT and r.json()[0]["details"]["generated_tokens"] > 0
+        r = await http.post("/", json={**body, "stream": True})
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert tgi_events(r.text)[-1]["generated_text"] == DEFAULT
+        r = await http.post("/", json={"inputs": "x", "parameters": {"max_new_tokens": 10**6}})
+        assert r.status_code == 422 and r.json()["error_type"] == "validation"
