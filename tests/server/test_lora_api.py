@@ -93,6 +93,8 @@ async def test_load_use_unload_then_404(tmp_path: Path) -> None:
         assert tuned != base  # the adapter reached the engine
         r = await c.post("/v1/completions", json={"model": "tuned", "prompt": "x", "max_tokens": 4}, headers=ADMIN)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == tuned
+        r = await c.post("/generate", json={"model": "tuned", "prompt": "x", "max_tokens": 4}, headers=ADMIN)
+        assert r.status_code == 200 and r.json()["text"] == ["x" + tuned]
 
         r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "tuned"}, headers=ADMIN)
         assert r.status_code == 200, r.text
