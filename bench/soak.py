@@ -147,7 +147,9 @@ def process_figures(pid: int) -> dict[str, Any]:
             label = f"{p.name()}[{p.pid}]"
             procs[label] = p.memory_info().rss / 2**20
             anon[label] = _anon_mb(p.pid)
-    return {"gateway_rss_mb": root.memory_info().rss / 2**20, "fds": root.num_fds(), "procs": procs, "anon": anon}
+    t = root.cpu_times()
+    return {"gateway_rss_mb": root.memory_info().rss / 2**20, "fds": root.num_fds(), "procs": procs, "anon": anon,
+            "gateway_cpu_s": t.user + t.system}
 
 
 def _rss_growth(ts: list[float], series: dict[str, list[float]]) -> dict[str, Any]:
@@ -180,6 +182,8 @@ class Driver:
         self.skipped = 0  # open loop: arrivals dropped at the in-flight cap
         self.t0 = time.monotonic()
         self.session: aiohttp.ClientSession | None = None
+        self._at, self._cpu = time.monotonic(), time.process_time()
+        self._gw_cpu = process_figures(target.pid)["gateway_cpu_s"] if target.pid is not None else 0.0
 
     # ---------------------------------------------------------------- requests
     def _prompt(self) -> str:
@@ -188,7 +192,7 @@ class Driver:
     def _request(self, kind: str) -> tuple[str, Any, str | None]:
         """(path, JSON body or raw bytes, key) of one request of `kind`."""
         t, key, mt = self.t, self.t.key, self.t.max_tokens
-        gen = {"max_tokens": mt, "ignore_eos": True, "temperature": 0.8}
+        gen = {"max_tokens": self.rng.randint((mt + 1) // 2, mt * 3 // 2), "ignore_eos": True, "temperature": 0.8}
         chat = {"model": t.model, "messages": [{"role": "user", "content": self._prompt()}], **gen}
         if kind == "chat_stream":
             return "/v1/chat/completions", {**chat, "stream": True}, key
@@ -288,7 +292,10 @@ class Driver:
         end = time.monotonic() + seconds
         done = [0]
 
+        ramp = min(30.0, seconds / 10)
+
         async def client() -> None:
+            await asyncio.sleep(self.rng.uniform(0, ramp))  # spread the start: no wave of equal requests
             while time.monotonic() < end:
                 await self.one(self.choose())
                 done[0] += 1
@@ -321,10 +328,15 @@ class Driver:
 
     async def sample(self) -> dict[str, Any]:
         w, self.window = self.window, Window()
+        now, cpu = time.monotonic(), time.process_time()  # the load generator's own CPU (cores) over the window
         m = await self.scrape()
         s: dict[str, Any] = {"t": round(time.monotonic() - self.t0, 1)}
         if self.t.pid is not None:
             s.update(process_figures(self.t.pid))
+            s["gateway_cpu"] = round((s["gateway_cpu_s"] - self._gw_cpu) / max(1e-6, now - self._at), 3)
+            self._gw_cpu = s["gateway_cpu_s"]
+        client_cpu = (cpu - self._cpu) / max(1e-6, now - self._at)
+        self._at, self._cpu = now, cpu
         s.update(
             tasks=m["npugw_asyncio_tasks"],
             engine_running=m["vllm:num_requests_running"], engine_waiting=m["vllm:num_requests_waiting"],
@@ -334,7 +346,7 @@ class Driver:
             ttft_p50_ms=_ms(pct(w.ttft, 50)), ttft_p99_ms=_ms(pct(w.ttft, 99)),
             expected={k: v for k, v in w.outcomes.items() if ":expected" in k},
             unexpected={k: v for k, v in w.outcomes.items() if ":unexpected" in k},
-            load1=os.getloadavg()[0],
+            load1=os.getloadavg()[0], client_cpu=round(client_cpu, 3),
         )
         return s
 
@@ -353,6 +365,7 @@ class Driver:
                 print(f"  t={s['t']:7.0f}s req={s['requests']:5d} inflight={s['client_inflight']:4d} "
                       f"rss={s.get('gateway_rss_mb', 0):7.1f}MiB fds={s.get('fds', 0):5d} tasks={s['tasks']:5.0f} "
                       f"eng={s['engine_running'] + s['engine_waiting']:3.0f} ttft99={_f(s['ttft_p99_ms'])}ms "
+                      f"cpu gw/client={s.get('gateway_cpu', 0):.2f}/{s['client_cpu']:.2f} "
                       f"unexpected={sum(s['unexpected'].values())}", flush=True)
 
     async def idle(self, deadline: float = 60.0, back_to: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -470,7 +483,9 @@ async def soak(target: Target, duration: float, interval: float, *, rate: float 
     async with aiohttp.ClientSession(connector=conn) as d.session:
         before = await d.idle()
         samples: list[dict[str, Any]] = []
-        d.t0 = time.monotonic()
+        d.t0 = d._at = time.monotonic()
+        d._cpu = time.process_time()
+        d._gw_cpu = process_figures(target.pid)["gateway_cpu_s"] if target.pid is not None else 0.0
         sampler = asyncio.ensure_future(d.sampling(interval, samples, verbose, journal))
         try:
             if concurrency is not None:
