@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 # The API's paths: a record of any other (probes, /metrics, /admin, the console) is not usage.
 API_PATHS = ("/v1/", "/generate", "/tokenize", "/detokenize")
+IDLE_REFRESH = 5.0  # seconds between reads of run-time budgets while no key has budgets
 
 
 def database_url(value: str) -> str:
@@ -73,6 +74,7 @@ class LedgerDatabase(Database):
             from sqlalchemy import event
 
             event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+            event.listen(engine.sync_engine, "connect", _sqlite_ledger_pragmas)
         try:
             async with engine.begin() as conn:
                 await conn.run_sync(upgrade)
@@ -89,6 +91,15 @@ class LedgerDatabase(Database):
                 await engine.dispose()
             except Exception:
                 logger.debug("disposing the ledger's engine failed", exc_info=True)
+
+
+def _sqlite_ledger_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    # WAL with synchronous=NORMAL: a commit no longer waits for an fsync (the
+    # WAL is synced at checkpoints); a crash of the gateway loses nothing, an
+    # operating system crash or power cut may lose the last commits.
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
 
 
 def to_row(rec: dict[str, Any], rid: str) -> dict[str, Any]:
@@ -132,6 +143,7 @@ class Ledger:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._retry_at = 0.0
+        self._next_refresh = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -229,8 +241,9 @@ class Ledger:
                 await asyncio.wait_for(self._write(batch), self.write_timeout)
                 self.counts["written"] += len(batch)
                 batch = []
-            async with self.db.begin() as conn:
-                await asyncio.wait_for(self._refresh(conn), self.write_timeout)
+            if self.budgets.tracked or time.monotonic() >= self._next_refresh or not self.healthy:
+                async with self.db.begin() as conn:
+                    await asyncio.wait_for(self._refresh(conn), self.write_timeout)
             self.healthy = True
         except Exception as e:
             self.counts["write_errors"] += 1
@@ -292,21 +305,18 @@ class Ledger:
                 slot = rollup.setdefault((row["key"], day_of(row["ts"])), [0, 0])
                 slot[0] += int(counts(row))
                 slot[1] += row["prompt_tokens"] + row["completion_tokens"]
-            if rollup:
-                t = schema.daily
-                up = _insert(conn, t).values(
-                    [{"key": k, "day": d, "requests": r, "tokens": tok} for (k, d), (r, tok) in rollup.items()]
+            if rollup:  # one fixed statement (SQLAlchemy would compile a new one for each number of rows)
+                await conn.exec_driver_sql(
+                    _rollup_sql(conn.dialect.name), [(k, d, r, tok) for (k, d), (r, tok) in rollup.items()]
                 )
-                up = up.on_conflict_do_update(
-                    index_elements=["key", "day"],
-                    set_={"requests": t.c.requests + up.excluded.requests, "tokens": t.c.tokens + up.excluded.tokens},
-                )
-                await conn.execute(up)
         if ours:
             self.budgets.written([(k, d, r, tok) for (k, d), (r, tok) in rollup.items()])
 
     async def _refresh(self, conn: AsyncConnection) -> None:
-        """The budgets' sums for this month, and the run-time budgets."""
+        """The budgets' sums for this month, and the run-time budgets (after
+        every write while a key has budgets; else every few seconds, for
+        budgets another replica sets)."""
+        self._next_refresh = time.monotonic() + IDLE_REFRESH
         b = self.budgets
         rows = (await conn.execute(select(schema.budgets))).all()
         overrides: dict[str, dict[str, int | None]] = {}
@@ -354,6 +364,20 @@ class Ledger:
 COLUMNS = tuple(c.name for c in schema.records.columns)
 _values = operator.itemgetter(*COLUMNS)  # a row dict -> its values, in COLUMNS order
 _SQL: dict[str, str] = {}
+
+
+def _rollup_sql(dialect: str) -> str:
+    key = "rollup-" + dialect
+    sql = _SQL.get(key)
+    if sql is None:
+        marks = "$1, $2, $3, $4" if dialect == "postgresql" else "?, ?, ?, ?"
+        t = schema.daily.name
+        sql = _SQL[key] = (
+            f'INSERT INTO "{t}" ("key", "day", "requests", "tokens") VALUES ({marks}) '
+            f'ON CONFLICT ("key", "day") DO UPDATE SET "requests" = "{t}"."requests" + excluded."requests", '
+            f'"tokens" = "{t}"."tokens" + excluded."tokens"'
+        )
+    return sql
 
 
 def _insert_sql(dialect: str) -> str:
