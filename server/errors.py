@@ -161,7 +161,7 @@ def validation_error(exc: RequestValidationError) -> InvalidRequest:
     param = _loc_to_param(tuple(first.get("loc", ())))
     msg = str(first.get("msg", "invalid value"))
     if first.get("type") == "missing":
-        msg = f"missing required parameter: {param}"
+        msg = f"missing required parameter: {param}" if param else "the request has no JSON body"
     elif param:
         msg = f"invalid value for {param}: {msg}"
     return InvalidRequest(msg, param=param, code="invalid_value")

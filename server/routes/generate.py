@@ -46,6 +46,10 @@ _GENERATE = {**_ERRORS, 200: {
     "content": {"application/json": {}, "application/x-ndjson": {}},
 }}
 _STREAM = {**_ERRORS, 200: {"description": "TGI's token events", "content": {"text/event-stream": {}}}}
+_COMPAT = {**_ERRORS, 200: {
+    "description": "`/generate`'s answer in a one-item JSON list; with `stream`, TGI's token events",
+    "content": {"application/json": {}, "text/event-stream": {}},
+}}
 
 
 @router.post("/generate", response_model=None, responses=_GENERATE)
@@ -86,7 +90,7 @@ async def generate_stream(body: TgiGenerateRequest, request: Request, gw: Gatewa
     return await _tgi(body, request, gw, principal, stream=True)
 
 
-@router.post("/", response_model=None, responses=_GENERATE, include_in_schema=True)
+@router.post("/", response_model=None, responses=_COMPAT, include_in_schema=True)
 async def tgi_compat(body: TgiGenerateRequest, request: Request, gw: GatewayDep, principal: AuthDep) -> Response:
     """TGI's compat route, which its `text-generation` client calls: the body's
     `stream` picks `/generate_stream`, else `/generate`'s answer in a list."""

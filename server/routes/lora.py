@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, FastAPI
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.responses import PlainTextResponse
+from starlette.responses import PlainTextResponse, Response
 
 from engine_adapter.errors import InvalidRequest
 from engine_adapter.lora import AdapterPool, LoraMetrics, LoraModule
@@ -31,6 +31,10 @@ from server.state import Gateway
 logger = logging.getLogger(__name__)
 
 router = APIRouter(tags=["admin"])
+# vLLM's answer is plain text on success; every refusal is the JSON error shape
+_PLAIN: dict[int | str, dict[str, Any]] = {
+    **ERRORS, 200: {"description": "vLLM's plain-text success line", "content": {"text/plain": {}}},
+}
 AdminDep = Annotated[Principal, Depends(require_admin)]
 
 
@@ -62,7 +66,7 @@ def _serve(gw: Gateway, adapter: AdapterPool) -> None:
     gw.add_served(adapter.name, adapter, root=adapter.root, parent=adapter.base_name)
 
 
-@router.post("/v1/load_lora_adapter", responses=ERRORS, response_class=PlainTextResponse)
+@router.post("/v1/load_lora_adapter", responses=_PLAIN, response_class=Response)
 async def load_lora_adapter(body: LoadLoraAdapterRequest, gw: GatewayDep, admin: AdminDep) -> PlainTextResponse:
     mgr = _manager(gw)
     adapter = await mgr.load(
@@ -73,7 +77,7 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, gw: GatewayDep, admin:
     return PlainTextResponse(f"Success: LoRA adapter '{adapter.name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", responses=ERRORS, response_class=PlainTextResponse)
+@router.post("/v1/unload_lora_adapter", responses=_PLAIN, response_class=Response)
 async def unload_lora_adapter(body: UnloadLoraAdapterRequest, gw: GatewayDep, admin: AdminDep) -> PlainTextResponse:
     mgr = _manager(gw)
     name = body.lora_name

@@ -106,6 +106,8 @@ async def test_nan_and_invalid_json_and_utf8(client: httpx.AsyncClient) -> None:
     assert_openai_error(r, 400)
     r = await client.post("/v1/chat/completions", content=b"{not json", headers=h)
     assert assert_openai_error(r, 400)["code"] == "invalid_json"
+    r = await client.post("/v1/chat/completions")  # no body at all: said so, no 'parameter: None'
+    assert assert_openai_error(r, 400)["message"] == "the request has no JSON body"
     r = await client.post("/v1/chat/completions", content=b'{"model":"sim","messages":[{"role":"user","content":"\xff\xfe"}]}', headers=h)
     assert_openai_error(r, 400)
 
