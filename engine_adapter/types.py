@@ -73,10 +73,10 @@ class GenerationRequest:
     # False: the client takes the whole answer at once; an engine may then
     # produce it in one piece (the remote backend makes one non-streamed call)
     stream: bool = True
-    lora: LoraRef | None = None  # run with this LoRA adapter on the base model
     # the request span's W3C trace context (traceparent, tracestate), for an
     # engine that traces itself (vLLM with --engine-arg otlp_traces_endpoint=...)
     trace_headers: tuple[tuple[str, str], ...] = ()
+    lora: LoraRef | None = None  # run with this LoRA adapter on the base model
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,8 +76,8 @@ def create_app(
             served = build_served_pools(settings, EngineMetrics(registry, settings.max_model_len or 8192))
         gw = Gateway(settings, served)
         gw.limits = Limits(gw_metrics)
-        holder["gw"] = gw
         gw.limits.budgets = app.state.usage.budgets  # server/usage: the keys' budgets at admission
+        holder["gw"] = gw
         app.state.gateway = gw
         started: list[WorkerPool] = []
         monitor = None
@@ -92,8 +92,8 @@ def create_app(
         if tracing is not None:
             tracing.start()
         try:
-            await asyncio.gather(*(start(p) for p in gw.pools))
             await start_usage(app)  # the usage ledger: migrations, budgets from the database, its writer
+            await asyncio.gather(*(start(p) for p in gw.pools))
             await lora.start_lora(app, gw)  # adapters first: aliases may name them
             routing_admin.start_routing(app, gw)  # aliases and fallbacks over started pools; SIGHUP reloads
             monitor = await start_device_monitor(settings, registry)
@@ -109,9 +109,9 @@ def create_app(
             await lora.stop_lora(app)
             gw.draining = True
             await asyncio.gather(*(p.stop(settings.shutdown_timeout) for p in started))
+            await stop_usage(app)  # the usage ledger writes (or spools) what is left
             if monitor is not None:
                 await monitor.stop()
-            await stop_usage(app)  # the usage ledger writes (or spools) what is left
             if tracing is not None:
                 await asyncio.to_thread(tracing.stop)  # flushes the last spans
             if access_log is not None:

@@ -165,6 +165,26 @@ class Settings(BaseSettings):
         description="stored /v1/responses: a SQLite file, or an SQLAlchemy async URL "
         "(sqlite+aiosqlite:///PATH); default DATA_DIR/responses.db; 'none' stores nothing",
     )
+    # --- the usage ledger and budgets (server/usage) ---
+    usage_db: str | None = Field(
+        None,
+        description="usage ledger: a SQLite file, sqlite:///PATH, postgresql://USER:PASSWORD@HOST:PORT/DB (shared "
+        "by replicas: one ledger, one set of budgets) or an SQLAlchemy async URL; default DATA_DIR/usage.db; "
+        "'none': no ledger (budgets then count in this process's memory only)",
+    )
+    usage_flush_interval: float = Field(
+        0.5, gt=0, description="seconds between the ledger's batch writes (and budget refreshes from the database)"
+    )
+    usage_batch_size: int = Field(500, ge=1, description="records per ledger write (a full batch is written at once)")
+    usage_buffer_size: int = Field(
+        20000, ge=1, description="records the ledger holds in memory; past that they go straight to the spool"
+    )
+    usage_write_timeout: float = Field(
+        5.0, gt=0, description="seconds a ledger write may take before its records go to the spool"
+    )
+    usage_spool_dir: Path | None = Field(
+        None, description="where records wait while the ledger's database is down (default DATA_DIR/usage-spool)"
+    )
     # --- observability ---
     device_probe_interval: float = Field(5.0, gt=0, description="seconds between device memory probes")
     profile_dir: Path | None = Field(None, description="where /start_profile writes traces")
@@ -186,26 +206,6 @@ class Settings(BaseSettings):
     upstream_health_interval: float = Field(5.0, gt=0, description="seconds between upstream health checks")
     upstream_eject_after: int = Field(3, ge=1, description="failures in a row that eject an upstream URL")
     upstream_cooldown: float = Field(10.0, gt=0, description="seconds an ejected upstream URL waits for a trial")
-    # --- the usage ledger and budgets (server/usage) ---
-    usage_db: str | None = Field(
-        None,
-        description="usage ledger: a SQLite file, sqlite:///PATH, postgresql://USER:PASSWORD@HOST:PORT/DB (shared "
-        "by replicas: one ledger, one set of budgets) or an SQLAlchemy async URL; default DATA_DIR/usage.db; "
-        "'none': no ledger (budgets then count in this process's memory only)",
-    )
-    usage_flush_interval: float = Field(
-        0.5, gt=0, description="seconds between the ledger's batch writes (and budget refreshes from the database)"
-    )
-    usage_batch_size: int = Field(500, ge=1, description="records per ledger write (a full batch is written at once)")
-    usage_buffer_size: int = Field(
-        20000, ge=1, description="records the ledger holds in memory; past that they go straight to the spool"
-    )
-    usage_write_timeout: float = Field(
-        5.0, gt=0, description="seconds a ledger write may take before its records go to the spool"
-    )
-    usage_spool_dir: Path | None = Field(
-        None, description="where records wait while the ledger's database is down (default DATA_DIR/usage-spool)"
-    )
     # --- routing: aliases, canaries, fallbacks ---
     alias: Entries = Field(
         default_factory=list, description="ALIAS=TARGET:WEIGHT[,TARGET:WEIGHT...] weighted alias (repeatable)"
