@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -68,3 +69,25 @@ def test_node_refusals_keep_their_status_through_the_tier(tier: GatewayProcess) 
     r = httpx.post(tier.url + "/v1/chat/completions", json={"model": "smol", "messages": PARIS, "max_tokens": 10**6})
     assert r.status_code == 400, r.text  # the node's own context-length refusal
     assert "context length" in r.json()["error"]["message"]
+
+
+def test_the_other_apis_pass_through_the_tier(tier: GatewayProcess) -> None:
+    """The node (an npu-gateway) publishes Responses, Messages and /generate
+    in its /openapi.json: the front passes them through, under its own name."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=tier.url, api_key="x", max_retries=0, timeout=120)
+    greedy: Any = {"temperature": 0}
+    m = claude.messages.create(model="smol", max_tokens=20, messages=PARIS, extra_body=greedy)  # type: ignore[arg-type]
+    assert m.model == "smol" and "Paris" in m.content[0].text  # type: ignore[union-attr]
+    via = openai.OpenAI(base_url=tier.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    r = via.responses.create(model="smol", input=PARIS[0]["content"], temperature=0, max_output_tokens=20)
+    assert r.model == "smol" and r.output_text == m.content[0].text  # type: ignore[union-attr]
+    g = httpx.post(tier.url + "/generate", json={"model": "smol", "inputs": "The capital of France is",
+                                                 "parameters": {"max_new_tokens": 5, "details": True}}, timeout=120)
+    assert g.status_code == 200 and g.json()["details"]["generated_tokens"] >= 1
+    metrics = httpx.get(tier.url + "/metrics").text
+    assert metric_value(metrics, "npugw_api_key_tokens_total", model_name="smol", type="completion") >= (
+        m.usage.output_tokens + (r.usage.output_tokens if r.usage else 0)
+    )
+    assert "client APIs: count_tokens, generate, messages, responses, tgi" in tier.log()
