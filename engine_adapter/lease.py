@@ -20,6 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from engine_adapter.tasks import cancel_and_wait
 from engine_adapter.types import EngineOutput, GenerationRequest, RelayCall, RelayUsage
 
 if TYPE_CHECKING:
@@ -166,9 +167,7 @@ async def merge(
                     raise got
                 yield got
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks)
     finally:
         if held is not None and release is not None:
             for _, slot in held:

@@ -37,6 +37,7 @@ from engine_adapter.errors import (
 from engine_adapter.lease import Ask, PoolLease, Slot
 from engine_adapter.routing.policy import RouteKey, RoutingPolicy
 from engine_adapter.supervision import EngineFactory, Supervision
+from engine_adapter.tasks import cancel_and_wait
 from engine_adapter.types import (
     Embedded,
     EmbeddingRequest,
@@ -156,9 +157,7 @@ class WorkerPool(Supervision):
         for w in self.workers:
             for t in list(w.tasks):
                 t.cancel()
-        for t in list(self._background):
-            t.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await cancel_and_wait(list(self._background))
         await asyncio.gather(*(w.engine.stop() for w in self.workers), return_exceptions=True)
         for w in self.workers:
             w.alive = False

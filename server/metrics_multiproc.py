@@ -41,6 +41,8 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from engine_adapter.tasks import cancel_and_wait
+
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 LIVE_INTERVAL = 1.0  # seconds between two live-state snapshots of a process
 _LIVE_FILE = re.compile(r"^live_(\d+)_(\d+)\.json$")
@@ -139,9 +141,7 @@ class LiveExport:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
         with contextlib.suppress(OSError):
             self.file.unlink()
 

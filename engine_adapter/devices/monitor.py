@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -18,6 +17,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
+from ..tasks import cancel_and_wait
 from .probes import DeviceProbe, DeviceReading
 
 logger = logging.getLogger(__name__)
@@ -121,9 +121,7 @@ class DeviceMonitor:
         task, self._task = self._task, None
         if task is None:
             return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait([task])  # cancel again if a wait_for swallowed it (Python 3.11)
 
 
 _MEM_NAME = "npu_memory_usage_bytes"

@@ -50,6 +50,7 @@ from engine_adapter.backends.api_relay import apis_from_openapi, parse_apis
 from engine_adapter.entry import parse_entry
 from engine_adapter.errors import GatewayError, ServiceUnavailable
 from engine_adapter.routing.policy import RouteKey, RoutingPolicy
+from engine_adapter.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -184,9 +185,7 @@ class Upstream:
         if self._users > 0 or self._session is None:
             return
         tasks = [t for t in (self._health, self._watch, *self._pings) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)  # health loops use wait_for: cancel until done
         session, self._session = self._session, None
         await session.close()
 

@@ -23,6 +23,7 @@ from engine_adapter.errors import InvalidRequest
 from engine_adapter.lora import AdapterPool, LoraMetrics, LoraModule
 from engine_adapter.lora_manager import STORE_NAME, LoraManager
 from engine_adapter.pool import WorkerPool
+from engine_adapter.tasks import cancel_and_wait
 from server.auth import Principal, require_admin
 from server.deps import GatewayDep
 from server.routes.docs import ERRORS
@@ -158,5 +159,4 @@ async def stop_lora(app: FastAPI) -> None:
     task = getattr(app.state, "lora_sync", None)
     if task is not None:
         app.state.lora_sync = None
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait([task])
