@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from support import wait_until
 
 from engine_adapter.devices.monitor import DeviceMonitor
 from engine_adapter.devices.probes import DeviceReading
@@ -40,7 +41,7 @@ async def test_cancel_and_wait_stops_it_and_drops_results_and_errors() -> None:
     swallowing = asyncio.ensure_future(_swallows_once())
     failed = asyncio.ensure_future(fails())
     finished = asyncio.ensure_future(asyncio.sleep(0, "x"))
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: failed.done() and finished.done(), what="the quick tasks to end")
     await asyncio.wait_for(cancel_and_wait([swallowing, failed, finished], retry=0.05), 5)
     assert swallowing.cancelled() and failed.done() and finished.result() == "x"
 
@@ -62,9 +63,9 @@ class _RacingProbe:
 async def test_device_monitor_stops_with_a_probe_that_answers_at_once() -> None:
     probe = _RacingProbe()
     monitor = DeviceMonitor(probe)  # type: ignore[arg-type]
-    for _ in range(20):  # stop in every phase of the loop: reading, sleeping
+    for i in range(20):  # stop in every phase of the loop: reading, sleeping
         await monitor.start(0.001)
-        await asyncio.sleep(0.003)
+        await wait_until(lambda i=i: probe.reads > i, what="a probe read")  # type: ignore[misc]
         await asyncio.wait_for(monitor.stop(), 5)
         assert not monitor.running
     assert probe.reads > 0
