@@ -1,32 +1,39 @@
 """What the usage ledger costs the gateway: CPU seconds per request of our
 gateway (the `ours` target of bench/gateway_overhead.py: `--model none` in
 front of bench/fake_upstream.py) with the ledger on (SQLite, the default)
-and off (`--usage-db none`), in one run, alternating which goes first each
-round. Issue 18 asks for at most 5 % more CPU per request.
+and off (`--usage-db none`), in one run. Issue 18 asks for at most 5 % more
+CPU per request.
 
-    .venv/bin/python bench/ledger_overhead.py                  # 3 rounds
-    .venv/bin/python bench/ledger_overhead.py --rounds 5 --seconds 10
+    .venv/bin/python bench/ledger_overhead.py                  # 8 rounds of 2 x 4 s per gateway
+    .venv/bin/python bench/ledger_overhead.py --rounds 12 --seconds 6
 
-Load per variant and round: non-streamed requests with wrk (c=16) and
-streams with bench/loadgen.py (c=16). After each ledger-on run the ledger's
-rows are counted against the requests the gateway answered (the ledger
-must hold one row per request).
+Both gateways run for the whole run and are loaded in turn, in short slices
+whose order alternates round by round (an idle gateway costs ~nothing), so
+the box's drift falls on both alike. Load per slice: non-streamed requests
+with wrk (c=16), then streams with bench/loadgen.py (c=16). The cost is
+reported two ways: the ratio of the two medians, and the median of each
+round's on/off ratio (steadier). At the end the ledger's rows are counted
+(one per request the ledger-on gateway answered).
 
-On a loaded box the end-to-end numbers swing more between rounds than 5 %,
-so the ledger's own CPU is also measured directly: `--records` access-log
-records through the real `Ledger` (its sink on the request path, then its
-batch writes into SQLite), CPU seconds of this process per record, set
-against the gateway's CPU per request with the ledger off.
+The end-to-end numbers swing between slices (CPU per request depends on how
+the load and the gateway share the two cores), so the ledger's own CPU is
+also measured directly: `--records` access-log records through the real
+`Ledger` (its sink on the request path, then its batch writes into
+SQLite), CPU seconds of this process per record, set against the gateway's
+CPU per request with the ledger off.
 Writes bench/results/ledger_overhead.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sqlite3
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -86,35 +93,61 @@ def ledger_cpu_per_record(records: int, tmp: Path) -> dict[str, float]:
     return asyncio.run(run())
 
 
-def run_variant(variant: str, rnd: int, upstream: str, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+def start_variant(variant: str, upstream: str, tmp: Path, args: argparse.Namespace) -> tuple[Server, str, Path]:
     port = free_port()
-    db = tmp / f"usage-{rnd}.db"
+    db = tmp / "usage.db"
     ledger = f"--usage-db sqlite:///{db}" if variant == "on" else "--usage-db none"
-    ns = argparse.Namespace(before=None, ours_extra=f"{ledger} --data-dir {tmp / f'data-{variant}-{rnd}'}")
+    ns = argparse.Namespace(before=None, ours_extra=f"{ledger} --data-dir {tmp / f'data-{variant}'}")
     srv = make_target("ours", port, upstream, tmp, ns)
     assert srv is not None
+    srv.name = f"ledger-{variant}"
+    if args.pin:  # the gateways on CPU 0 (the load, the upstream and this script on the others)
+        srv.argv = ["taskset", "-c", "0", *srv.argv]
     srv.ready_timeout = 300  # a loaded shared box starts slowly
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    out: dict[str, Any] = {"variant": variant, "round": rnd}
-    with srv:
-        wait_post_ok(url, srv)
-        wrk(url, args.concurrency, 2, srv.pid)  # warm-up
-        out["non_stream"] = wrk(url, args.concurrency, args.seconds, srv.pid)
-        out["stream"] = streams(url, args.concurrency, args.seconds, srv.pid)
-    if variant == "on":
-        # every request the gateway answered (warm-up and readiness posts included) is one row
-        out["ledger_rows"] = ledger_rows(db)
+    return srv, f"http://127.0.0.1:{port}/v1/chat/completions", db
+
+
+def side_threads_cpu(pid: int) -> float:
+    """CPU seconds of a process's threads other than its main one (the
+    ledger's SQLite writer thread, and the loop's executor threads)."""
+    total = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        if int(tid) == pid:
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def run_slice(variant: str, rnd: int, srv: Server, url: str, args: argparse.Namespace) -> dict[str, Any]:
+    assert srv.pid is not None
+    side0 = side_threads_cpu(srv.pid)
+    out = {"variant": variant, "round": rnd,
+           "non_stream": wrk(url, args.concurrency, args.seconds, srv.pid),
+           "stream": streams(url, args.concurrency, args.seconds, srv.pid)}
+    # per measured request (warm-ups add rows too: an overestimate)
+    n = out["non_stream"]["ok"] + out["stream"]["ok"]
+    out["side_threads_us_per_req"] = 1e6 * (side_threads_cpu(srv.pid) - side0) / n if n else None
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--records", type=int, default=20000, help="records for the direct measurement")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin the gateways to CPU 0 and the load, the upstream and this script to the others")
     args = ap.parse_args()
+    args.pin = args.pin and (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
+    if args.pin:
+        os.sched_setaffinity(0, set(range(1, os.cpu_count() or 2)))  # inherited by the upstream and the load
     tmp = Path(tempfile.mkdtemp(prefix="ledger-overhead-"))
     up_port = free_port()
     upstream = f"http://127.0.0.1:{up_port}"
@@ -127,26 +160,50 @@ def main() -> None:
     )
     runs: list[dict[str, Any]] = []
     t0 = time.time()
-    with up:
+    with ExitStack() as stack:
+        stack.enter_context(up)
+        # both gateways up for the whole run, loaded in turn (an idle one costs nothing): short
+        # alternating slices, so that the box's drift falls on both alike
+        gw = {v: start_variant(v, upstream, tmp, args) for v in VARIANTS}
+        for srv, url, _db in gw.values():
+            stack.enter_context(srv)
+            wait_post_ok(url, srv)
+            assert srv.pid is not None
+            wrk(url, args.concurrency, 2, srv.pid)  # warm-up
+            streams(url, args.concurrency, 2, srv.pid)
         for rnd in range(args.rounds):
             order = VARIANTS if rnd % 2 == 0 else tuple(reversed(VARIANTS))
             for variant in order:
-                r = run_variant(variant, rnd, upstream, tmp, args)
+                srv, url, _db = gw[variant]
+                r = run_slice(variant, rnd, srv, url, args)
                 runs.append(r)
                 print(f"round {rnd} ledger {variant}: non-stream {r['non_stream']['cpu_s_per_1k']:.3f} "
                       f"CPU s/1k req ({r['non_stream']['req_s']:.0f} req/s), stream "
-                      f"{r['stream']['cpu_s_per_1k']:.3f} CPU s/1k ({r['stream']['req_s']:.0f} req/s)"
-                      + (f", ledger rows {r['ledger_rows']}" if "ledger_rows" in r else ""), flush=True)
-    summary: dict[str, Any] = {}
+                      f"{r['stream']['cpu_s_per_1k']:.3f} CPU s/1k ({r['stream']['req_s']:.0f} req/s)", flush=True)
+        time.sleep(2 * 0.5 + 0.5)  # the ledger's last batch (flush interval 0.5 s)
+        # every request the gateway answered (warm-up and readiness posts included) is one row
+        ledger_count = ledger_rows(gw["on"][2])
+    print(f"ledger rows after the run: {ledger_count}")
+    summary: dict[str, Any] = {"ledger_rows": ledger_count}
     rows = []
     for test in ("non_stream", "stream"):
         per = {v: median([r[test]["cpu_s_per_1k"] for r in runs if r["variant"] == v]) for v in VARIANTS}
         rps = {v: median([r[test]["req_s"] for r in runs if r["variant"] == v]) for v in VARIANTS}
         overhead = 100.0 * (per["on"] - per["off"]) / per["off"]
+        # each round's on/off pair, then their median: steadier than the ratio of two medians
+        pairs = [100.0 * (on[test]["cpu_s_per_1k"] / off[test]["cpu_s_per_1k"] - 1)
+                 for on, off in zip((r for r in runs if r["variant"] == "on"),
+                                    (r for r in runs if r["variant"] == "off"), strict=True)]
         summary[test] = {"cpu_ms_per_req_off": per["off"], "cpu_ms_per_req_on": per["on"],
-                         "overhead_pct": overhead, "req_s_off": rps["off"], "req_s_on": rps["on"]}
+                         "overhead_pct": overhead, "paired_overhead_pct": pairs,
+                         "paired_overhead_median_pct": median(pairs), "req_s_off": rps["off"], "req_s_on": rps["on"]}
         rows.append([test, f"{per['off']:.3f}", f"{per['on']:.3f}", f"{overhead:+.1f} %",
+                     f"{median(pairs):+.1f} % ({min(pairs):+.0f}..{max(pairs):+.0f})",
                      f"{rps['off']:.0f}", f"{rps['on']:.0f}"])
+    side = {v: median([r["side_threads_us_per_req"] for r in runs if r["variant"] == v]) for v in VARIANTS}
+    summary["side_threads_us_per_req"] = side
+    print(f"CPU of the gateway's other threads (the ledger's SQLite writer; the loop's executor) per request: "
+          f"ledger on {side['on']:.1f} us, off {side['off']:.1f} us")
     micro = [ledger_cpu_per_record(args.records, tmp / f"micro-{i}") for i in range(3)]
     led_us = median([m["total_us"] for m in micro])
     off_us = 1000 * median([r[t]["cpu_s_per_1k"] for r in runs if r["variant"] == "off"
@@ -156,8 +213,8 @@ def main() -> None:
     print(f"ledger itself: {led_us:.1f} us CPU per record (sink {median([m['sink_us'] for m in micro]):.1f}, "
           f"writes {median([m['write_us'] for m in micro]):.1f}); gateway with the ledger off: {off_us:.0f} us "
           f"per request -> {100 * led_us / off_us:.1f} %")
-    print(table([f"load (c={args.concurrency})", "CPU ms/req off", "CPU ms/req on", "ledger cost",
-                 "req/s off", "req/s on"], rows))
+    print(table([f"load (c={args.concurrency})", "CPU ms/req off", "CPU ms/req on", "ledger cost (medians)",
+                 "ledger cost (paired rounds)", "req/s off", "req/s on"], rows))
     path = save_json("ledger_overhead", {
         "what": "gateway CPU per request with the usage ledger on (SQLite) and off, alternating rounds",
         "commit": git_commit(Path(__file__).resolve().parent.parent),

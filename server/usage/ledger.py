@@ -21,6 +21,8 @@ import operator
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Iterator
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -236,8 +238,13 @@ class Ledger:
         try:
             if self.spool.pending():
                 await asyncio.wait_for(self._replay(), self.write_timeout * 4)
-            while self._buffer:
-                batch = self._take(self.batch_size)
+            # what the buffer held when the cycle began (all of it when closing): records that come in
+            # while a batch is written wait for the next cycle, so that under load the writer does not
+            # chase the request rate in tiny batches (their per-transaction cost is most of the CPU)
+            due = len(self._buffer)
+            while self._buffer and (due > 0 or final):
+                batch = self._take(self.batch_size if final else min(self.batch_size, due))
+                due -= len(batch)
                 await asyncio.wait_for(self._write(batch), self.write_timeout)
                 self.counts["written"] += len(batch)
                 batch = []
@@ -296,6 +303,12 @@ class Ledger:
                 ins = _insert(conn, schema.records).on_conflict_do_nothing(index_elements=["id"])
                 result = await conn.execute(ins.returning(schema.records.c.id), rows)
                 stored = {r[0] for r in result.all()}
+            elif conn.dialect.name == "sqlite":
+                # multi-row statements: executemany would step once per row, and sqlite3 gives the GIL
+                # up at every step; taking it back from a busy event loop waits up to the switch
+                # interval, so a batch of 500 took over a second and ~5x its CPU under load
+                for sql, params in _sqlite_chunks(rows):
+                    await conn.exec_driver_sql(sql, params)
             else:  # the driver's own executemany: SQLAlchemy's per-row parameter processing costs ~5x more
                 await conn.exec_driver_sql(_insert_sql(conn.dialect.name), list(map(_values, rows)))
             rollup: dict[tuple[str, int], list[int]] = {}
@@ -388,6 +401,24 @@ def _insert_sql(dialect: str) -> str:
         names = ", ".join(f'"{c}"' for c in COLUMNS)
         sql = _SQL[dialect] = f'INSERT INTO "{schema.records.name}" ({names}) VALUES ({marks})'
     return sql
+
+
+SQLITE_CHUNK = 256  # rows per statement at most (x 18 columns: inside SQLite's 32,766 variables)
+
+
+def _sqlite_chunks(rows: list[dict[str, Any]]) -> Iterator[tuple[str, tuple[Any, ...]]]:
+    """Multi-row INSERTs over `rows`, in chunks of powers of two (at most nine
+    statement shapes, each prepared once by sqlite3's statement cache)."""
+    i = 0
+    while i < len(rows):
+        n = 1 << (min(len(rows) - i, SQLITE_CHUNK).bit_length() - 1)
+        key = f"sqlite-{n}"
+        sql = _SQL.get(key)
+        if sql is None:
+            one = "(" + ", ".join("?" * len(COLUMNS)) + ")"
+            sql = _SQL[key] = _insert_sql("sqlite").split(" VALUES ")[0] + " VALUES " + ", ".join([one] * n)
+        yield sql, tuple(chain.from_iterable(map(_values, rows[i:i + n])))
+        i += n
 
 
 def _insert(conn: AsyncConnection, table: Any) -> Any:

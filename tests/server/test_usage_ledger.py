@@ -186,6 +186,55 @@ async def test_records_in_the_buffer_at_shutdown_are_written(tmp_path: Path) -> 
     assert len(rows(tmp_path)) == 7
 
 
+def record(i: int) -> dict[str, Any]:
+    return {"time": "2026-12-01T10:55:44.123Z", "request_id": f"r{i}", "key": "team-a", "method": "POST",
+            "endpoint": "/v1/chat/completions", "model": "m", "target": "m", "status": 200, "finish_reason": "stop",
+            "prompt_tokens": i, "completion_tokens": 1, "cached_tokens": 0, "duration": 0.01}
+
+
+@pytest.mark.asyncio
+async def test_a_cycle_writes_what_it_found_in_multi_row_chunks(tmp_path: Path) -> None:
+    """A write cycle takes the records buffered when it began (in chunks of
+    up to SQLITE_CHUNK rows per statement, every value in its column); those
+    that come in while it writes wait for the next cycle, so a busy gateway
+    writes big batches instead of chasing its request rate one small batch
+    after another."""
+    from server.usage.budgets import BudgetBook
+    from server.usage.ledger import SQLITE_CHUNK, Ledger
+
+    led = Ledger(f"sqlite+aiosqlite:///{tmp_path / 'usage.db'}", tmp_path / "spool", BudgetBook([]),
+                 flush_interval=3600, batch_size=1000)
+    await led.start(30)
+    try:
+        first = SQLITE_CHUNK + 45  # one full chunk and then 32 + 8 + 4 + 1
+        for i in range(first):
+            led.sink(record(i))
+        write = led._write
+        sizes: list[int] = []
+
+        async def write_and_receive(rows_: list[dict[str, Any]], *a: Any, **kw: Any) -> None:
+            sizes.append(len(rows_))
+            if len(sizes) == 1:
+                for i in range(first, first + 7):  # requests that finish while the first batch is written
+                    led.sink(record(i))
+            await write(rows_, *a, **kw)
+
+        led._write = write_and_receive  # type: ignore[method-assign]
+        await led.flush()
+        assert sizes == [first] and len(led._buffer) == 7 and led.counts["written"] == first
+        led._write = write  # type: ignore[method-assign]
+        await led.flush()
+        assert led.counts["written"] == first + 7 and not led._buffer
+    finally:
+        await led.close()
+    got = rows(tmp_path)
+    assert sorted(r["prompt_tokens"] for r in got) == list(range(first + 7))
+    assert len({r["id"] for r in got}) == first + 7
+    r = next(r for r in got if r["request_id"] == "r5")
+    assert (r["key"], r["endpoint"], r["status"], r["finish_reason"], r["duration"]) == (
+        "team-a", "/v1/chat/completions", 200, "stop", 0.01)
+
+
 @pytest.mark.asyncio
 async def test_migrations_are_versioned_and_applied_once(tmp_path: Path) -> None:
     from server.usage.migrate import VERSION_TABLE, head
