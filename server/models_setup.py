@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from engine_adapter.backends.simulated import SimulatedConfig
-from engine_adapter.backends.vllm import cpu_cores, cpu_list
 from engine_adapter.backends.vllm_config import VllmConfig
+from engine_adapter.backends.vllm_env import cpu_cores, cpu_list
 from engine_adapter.devices import detect_device
 from engine_adapter.metrics import EngineMetrics
 from engine_adapter.model import EMBEDDED_EMBEDDING_NAME, EMBEDDED_MODEL_NAME, resolve_model

@@ -8,10 +8,8 @@ vllm (lazily, so the rest of the gateway imports without it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -33,52 +31,9 @@ if TYPE_CHECKING:
     from engine_adapter.metrics import EngineMetrics
 
 from engine_adapter.backends.vllm_config import VllmConfig, make_engine_args
+from engine_adapter.backends.vllm_env import configure_process_env, engine_process_env
 
 logger = logging.getLogger(__name__)
-
-
-def cpu_cores() -> list[int]:
-    """The cores this process may run on."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-
-
-def cpu_list(cores: Sequence[int]) -> str:
-    """`VLLM_CPU_OMP_THREADS_BIND` syntax: '0-7' or '0,2,5'."""
-    cores = sorted(cores)
-    contiguous = len(cores) > 1 and cores == list(range(cores[0], cores[-1] + 1))
-    return f"{cores[0]}-{cores[-1]}" if contiguous else ",".join(map(str, cores))
-
-
-def configure_process_env(device: str) -> None:
-    """Environment the engine processes inherit; set before the first engine."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    if device == "cpu":
-        # Binding to every core nearly doubled throughput over "auto".
-        cores = cpu_cores()
-        if cores:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(cores))
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    elif device == "npu":
-        os.environ.setdefault("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
-
-
-@contextlib.contextmanager
-def engine_process_env(env: Sequence[tuple[str, str]]) -> Iterator[None]:
-    """`env` on top of the process environment while one engine's processes
-    start (they inherit it), restored afterwards. AsyncLLM's constructor
-    starts them synchronously, so no other engine starts meanwhile."""
-    saved = {k: os.environ.get(k) for k, _ in env}
-    os.environ.update(dict(env))
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class HfTokenizer:
