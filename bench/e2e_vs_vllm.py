@@ -90,7 +90,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     if args.gpu_memory_utilization:
         flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.device == "cpu":
-        flags += ["--dtype", "bfloat16", "--enforce-eager"]
+        # the same dtype in both (bf16 unless --dtype names one: float32 on a CPU without AVX-512)
+        flags += ["--dtype", "bfloat16" if args.dtype == "auto" else args.dtype, "--enforce-eager"]
     else:
         flags += ["--dtype", args.dtype]
         if args.enforce_eager:
@@ -314,7 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--served-name", default=MODEL_NAME)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtype", default="auto", help="both servers (CPU: auto = bfloat16)")
     ap.add_argument("--enforce-eager", action="store_true", help="(GPU) disable CUDA graphs in both")
     ap.add_argument("--load-format", default=None, help="both servers, e.g. dummy (GPU check)")
     ap.add_argument("--gw-extra", default="", help="extra flags for every npu-gateway target")
