@@ -193,6 +193,9 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, parser_name: s
             json_schema={
                 "type": "array",
                 "minItems": 1,
+                # parallel_tool_calls=false: one call at most (a small model otherwise repeats the call
+                # until max_tokens: SmolLM2-135M in float32 did)
+                **({} if body.parallel_tool_calls is not False else {"maxItems": 1}),
                 "items": {
                     "anyOf": [
                         {

@@ -100,8 +100,12 @@ def test_default_gateway_keeps_up_with_vllm_serve(tmp_path: Path) -> None:
 
     if not MODEL_DIR.exists():
         pytest.skip(f"embedded model not prepared ({MODEL_DIR}); run `npu-gateway prepare-model`")
+    from engine_adapter.backends.vllm_config import cpu_generation_dtype
+
+    # both in the dtype the gateway's `auto` picks on this CPU (float32 without AVX-512, where bf16 is slow)
     args = e2e.parse_args(
-        ["--targets", "vllm", "default", "--max-num-seqs", "64", "--kv-cache-gib", "1", "--ready-timeout", "240"]
+        ["--targets", "vllm", "default", "--max-num-seqs", "64", "--kv-cache-gib", "1", "--ready-timeout", "240",
+         "--dtype", cpu_generation_dtype()]
     )
     servers: dict[str, tuple[Any, int]] = {}
     tokens = {(k, c): 0 for k in args.targets for c in LEVELS}

@@ -54,6 +54,9 @@ def test_auto_streamer_passes_plain_text_through() -> None:
 def test_required_and_named_use_structured_output() -> None:
     req = plan_tools(body(tool_choice="required"), ByteTokenizer())
     assert req.structured is not None and req.structured.json_schema["type"] == "array"  # type: ignore[index]
+    assert "maxItems" not in req.structured.json_schema  # type: ignore[operator]  # parallel calls allowed
+    one = plan_tools(body(tool_choice="required", parallel_tool_calls=False), ByteTokenizer())
+    assert one.structured is not None and one.structured.json_schema["maxItems"] == 1  # type: ignore[index]
     parsed = req.parse('[{"name": "get_weather", "parameters": {"city": "Rome"}}]')
     assert parsed is not None and parsed[1][0]["function"]["name"] == "get_weather"
     named = plan_tools(body(tool_choice={"type": "function", "function": {"name": "get_weather"}}), ByteTokenizer())
