@@ -139,6 +139,13 @@ async def test_postgres_stopped_mid_load_fails_no_request_and_loses_no_row(
     await outage()
     statuses = await load
     assert statuses == [200] * total  # the database being down failed no request
+
+    def accounted() -> bool:  # a record is sunk after its response is sent: wait until each is written or spooled
+        m = httpx.get(gw.url + "/metrics", timeout=30).text
+        done = sum(metric_value(m, "npugw_usage_records_total", outcome=o) for o in ("written", "spooled"))
+        return done == total
+
+    wait_until_sync(accounted, timeout=30, what=f"all {total} records written or spooled")
     metrics = httpx.get(gw.url + "/metrics", timeout=30).text
     spooled = metric_value(metrics, "npugw_usage_records_total", outcome="spooled")
     assert spooled > 0 and metric_value(metrics, "npugw_usage_spool_bytes") > 0
