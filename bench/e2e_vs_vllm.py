@@ -9,8 +9,9 @@ same load generator (`vllm bench serve`, random dataset).
 Targets: `vllm` (`vllm serve`), `default` (`npu-gateway serve` as a user runs
 it: the generator and the embedding engine), `genonly` (`--embedding-model
 none`, the generator alone), and `--variant NAME=FLAGS` (the default plus
-FLAGS: one fix on or off, measured in the same run). Ratios are each target
-over `vllm`.
+FLAGS: one fix on or off, measured in the same run; leading upper-case
+NAME=VALUE tokens are its environment, e.g. 'nofreeze=NPUGW_GC_FREEZE=0').
+Ratios are each target over `vllm`.
 
 All targets start once; each run resumes one target and pauses (SIGSTOP) the
 process groups of the others, so an idle server's background work (readiness
@@ -28,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,6 +104,19 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 BASE_TARGETS = ("vllm", "default", "genonly")
+# A variant's leading NAME=VALUE tokens (upper-case names) are environment
+# variables of its gateway, e.g. 'nofreeze=NPUGW_GC_FREEZE=0'.
+ENV_TOKEN = re.compile(r"^[A-Z][A-Z0-9_]*=")
+
+
+def target_env(kind: str, args: argparse.Namespace) -> dict[str, str]:
+    """The environment a target's server starts with."""
+    env = engine_env(args)
+    for t in str(args.variants.get(kind, "")).split():
+        if ENV_TOKEN.match(t):
+            k, _, v = t.partition("=")
+            env[k] = v
+    return env
 
 
 def target_flags(kind: str, args: argparse.Namespace) -> list[str] | None:
@@ -113,7 +128,7 @@ def target_flags(kind: str, args: argparse.Namespace) -> list[str] | None:
     if kind == "genonly":
         return ["--embedding-model", "none"]
     if kind in args.variants:
-        return str(args.variants[kind]).split()
+        return [t for t in str(args.variants[kind]).split() if not ENV_TOKEN.match(t)]
     raise SystemExit(f"unknown target {kind!r}: {', '.join(BASE_TARGETS)} or a --variant NAME")
 
 
@@ -158,12 +173,15 @@ def make_server(kind: str, args: argparse.Namespace, port: int, tag: str) -> Ser
             *common,
         ]
         ready = f"http://127.0.0.1:{port}/v1/models"
-    return Server(f"e2e-{kind}-{tag}", argv, ready, env=engine_env(args), ready_timeout=args.ready_timeout)
+    return Server(f"e2e-{kind}-{tag}", argv, ready, env=target_env(kind, args), ready_timeout=args.ready_timeout)
 
 
 def describe(kind: str, args: argparse.Namespace) -> str:
     flags = target_flags(kind, args)
-    return "vllm serve" if flags is None else " ".join(["npu-gateway serve", *flags])
+    if flags is None:
+        return "vllm serve"
+    env = [t for t in str(args.variants.get(kind, "")).split() if ENV_TOKEN.match(t)]
+    return " ".join([*env, "npu-gateway serve", *flags])
 
 
 def signal_group(srv: Server, sig: int) -> None:

@@ -3,6 +3,7 @@ gateway process serving the embedded generator and embedding models)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from collections.abc import Iterator
@@ -27,6 +28,15 @@ REAL_GATEWAY_ARGS = [
     "--seed", "0",
     "--admin-api-key", "sk-admin",  # guards /start_profile and /stop_profile only
 ]
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_gc() -> Iterator[None]:
+    """Apps started in this process freeze the heap they start with, as the
+    gateway does once in production; thaw it after each test so the suite's
+    garbage stays collectable."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

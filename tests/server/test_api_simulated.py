@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import hashlib
 import struct
 from pathlib import Path
@@ -424,3 +425,14 @@ async def test_client_disconnect_mid_stream_aborts_the_engine_request() -> None:
         assert len(engine.aborted) == 1 and engine.stats().unfinished == 0
         pool = _app.state.gateway.pools[0]
         assert pool.running == 0 and pool.workers[0].in_flight == 0
+
+
+@pytest.mark.asyncio
+async def test_startup_heap_is_frozen_before_serving() -> None:
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    async with running_app() as (c, _):
+        frozen = gc.get_freeze_count()
+        assert frozen > 0  # the collector no longer walks the startup heap
+        r = await c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200
