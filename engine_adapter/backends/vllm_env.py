@@ -1,6 +1,6 @@
 """The environment vLLM's engine processes start with (they inherit the
-gateway's): offline hub, OpenMP core binding and KV space on CPU, the NPU
-allocator's settings. Set before the first engine starts;
+gateway's): offline hub, OpenMP core binding, KV space and oneDNN's
+primitive cache on CPU, the NPU allocator's settings. Set before the first engine starts;
 `engine_process_env` adds one engine's own variables for its start."""
 
 from __future__ import annotations
@@ -8,6 +8,14 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
+
+# oneDNN's process-wide primitive cache (1,024 entries by default). vLLM's CPU
+# linear layers keep their own 32 most recent primitives per weight shape,
+# so this cache only remembers the ones they dropped: one per batch size and
+# shape ever seen. In a soak it filled for hours: the generator's worker
+# grew ~150 MiB of live heap in 12 minutes (anon RSS +3.6 %/h over an hour);
+# at 16 entries it stayed flat (+0.09 %/h) at the same throughput.
+ONEDNN_PRIMITIVE_CACHE = "16"
 
 
 def cpu_cores() -> list[int]:
@@ -33,6 +41,7 @@ def configure_process_env(device: str) -> None:
         if cores:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(cores))
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_PRIMITIVE_CACHE)
     elif device == "npu":
         os.environ.setdefault("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,26 @@ def test_refused_keys_are_what_the_gateway_sets() -> None:
     own = gateway_engine_keys()
     assert produced == set(own)
     assert set(own) <= {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+@pytest.mark.parametrize("device, expected", [("cpu", "16"), ("npu", None)])
+def test_cpu_engines_get_a_small_onednn_primitive_cache(
+    monkeypatch: pytest.MonkeyPatch, device: str, expected: str | None
+) -> None:
+    from engine_adapter.backends.vllm_env import configure_process_env
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "PYTORCH_NPU_ALLOC_CONF"):
+        monkeypatch.delenv(k, raising=False)
+    configure_process_env(device)
+    assert os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == expected
+
+
+def test_an_operators_onednn_cache_size_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine_adapter.backends.vllm_env import configure_process_env
+
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
+    for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(k, raising=False)
+    configure_process_env("cpu")
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
