@@ -31,10 +31,13 @@ REAL_GATEWAY_ARGS = [
 
 
 @pytest.fixture(autouse=True)
-def _unfreeze_gc() -> Iterator[None]:
-    """Apps started in this process freeze the heap they start with, as the
-    gateway does once in production; thaw it after each test so the suite's
-    garbage stays collectable."""
+def _no_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Apps started in this process would freeze the heap they start with,
+    as the gateway does once in production: a full collection of the test
+    process at every app start, and garbage kept for the rest of the run.
+    Gateway processes the tests start freeze as usual (support.py drops the
+    variable); the freeze itself has its own test."""
+    monkeypatch.setenv("NPUGW_GC_FREEZE", "0")
     yield
     gc.unfreeze()
 

@@ -94,7 +94,7 @@ async def serve_scripted(
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     task = asyncio.ensure_future(server.serve())
     try:
-        await wait_until(lambda: server.started, what="uvicorn to start")
+        await wait_until(lambda: server.started, timeout=60, what="uvicorn to start")
         yield Live(f"http://127.0.0.1:{port}", app, pool, prompts)
     finally:
         server.should_exit = True

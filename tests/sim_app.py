@@ -62,7 +62,7 @@ async def serve(
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     task = asyncio.ensure_future(server.serve())
     try:
-        await wait_until(lambda: server.started, what="uvicorn to start")
+        await wait_until(lambda: server.started, timeout=60, what="uvicorn to start")
         limits = httpx.Limits(max_connections=64)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30, limits=limits) as client:
             yield client, app

@@ -32,6 +32,7 @@ class GatewayProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        full_env.pop("NPUGW_GC_FREEZE", None)  # set for in-process apps only (conftest)
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), *args],

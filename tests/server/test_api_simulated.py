@@ -428,7 +428,8 @@ async def test_client_disconnect_mid_stream_aborts_the_engine_request() -> None:
 
 
 @pytest.mark.asyncio
-async def test_startup_heap_is_frozen_before_serving() -> None:
+async def test_startup_heap_is_frozen_before_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NPUGW_GC_FREEZE")  # the production default (conftest sets it to 0)
     gc.unfreeze()
     assert gc.get_freeze_count() == 0
     async with running_app() as (c, _):
