@@ -398,13 +398,33 @@ def _f(v: float | None) -> str:
 
 
 # -------------------------------------------------------------------- goals
-def flat(ts: list[float], ys: list[float], abs_tol: float = 10, rel_tol: float = 0.05) -> dict[str, Any]:
-    """Fitted growth of a count over the span, against max(abs_tol, rel_tol x mean)."""
+def residuals(xs: list[float], ys: list[float]) -> list[float]:
+    """ys less their least-squares line over xs."""
+    b = slope(xs, ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return [y - my - b * (x - mx) for x, y in zip(xs, ys, strict=True)]
+
+
+def flat(ts: list[float], ys: list[float], abs_tol: float = 10, rel_tol: float = 0.05,
+         inflight: list[float] | None = None) -> dict[str, Any]:
+    """Fitted growth of a count over the span, against max(abs_tol, rel_tol x mean).
+    With `inflight` (requests open at each sample), the growth is the time
+    trend once what each open request holds is fitted out (least squares on
+    time and requests in flight): a count that follows the load is not a
+    leak, and open-loop arrivals leave more requests open in some windows
+    than others. The plain trend is kept as `raw_growth`."""
     if len(ts) < 3:
         return {"growth": None, "tolerance": None, "ok": None}
-    growth = slope(ts, ys) * (ts[-1] - ts[0])
+    span = ts[-1] - ts[0]
+    raw = slope(ts, ys) * span
+    growth = raw
+    out: dict[str, Any] = {}
+    if inflight is not None:
+        growth = slope(residuals(inflight, ts), residuals(inflight, ys)) * span
+        out = {"raw_growth": round(raw, 2), "per_request": round(slope(residuals(ts, inflight),
+                                                                        residuals(ts, ys)), 2)}
     tol = max(abs_tol, rel_tol * (sum(ys) / len(ys)))
-    return {"growth": round(growth, 2), "tolerance": round(tol, 2), "ok": growth <= tol}
+    return {"growth": round(growth, 2), "tolerance": round(tol, 2), "ok": growth <= tol, **out}
 
 
 def goals(samples: list[dict[str, Any]], ttft: list[tuple[float, float]], duration: float,
@@ -414,6 +434,7 @@ def goals(samples: list[dict[str, Any]], ttft: list[tuple[float, float]], durati
     win = 600.0 if duration >= 3600 else duration / 6
     after = [s for s in samples if s["t"] >= warm and not s.get("tail")]  # trends under load only
     ts = [s["t"] for s in after]
+    load = [float(s["client_inflight"]) for s in after] if all("client_inflight" in s for s in after) else None
     out: dict[str, Any] = {"warmup_s": warm, "ttft_window_s": win}
     rss: dict[str, Any] = {}
     if after and "gateway_rss_mb" in after[0]:
@@ -426,9 +447,9 @@ def goals(samples: list[dict[str, Any]], ttft: list[tuple[float, float]], durati
             # the goal reads anonymous memory; total RSS is reported beside it
             out["rss_total"] = rss
             rss = _rss_growth(ts, {n: [s["anon"][n] for s in after] for n in series})
-        out["fds"] = flat(ts, [float(s["fds"]) for s in after], count_tolerance)
+        out["fds"] = flat(ts, [float(s["fds"]) for s in after], count_tolerance, inflight=load)
     out["rss"] = rss
-    out["tasks"] = flat(ts, [float(s["tasks"]) for s in after], count_tolerance)
+    out["tasks"] = flat(ts, [float(s["tasks"]) for s in after], count_tolerance, inflight=load)
     unexpected: Counter[str] = Counter()
     for s in samples:
         unexpected.update(s["unexpected"])
