@@ -21,10 +21,11 @@ p50/p99 of the window and its outcomes, expected and unexpected.
 
 Goals (`goals()`): after the warm-up (the first 5 minutes, as the issue
 says; half of a run shorter than 10 minutes) RSS grows <= 2 %/hour per process
-(least-squares slope); fd and task counts are flat (fitted growth over the
-run within max(10, 5 % of the mean): the counts swing with the requests in
-flight, one socket and a few tasks per request, and a leak of one per
-1,000 requests shows in an hour at 3 req/s); back at the idle count after
+(least-squares slope); fd and task counts are flat (growth over the run
+within max(10, 5 % of the mean), fitted on time and the requests in flight
+together: the counts follow the requests open, one socket and a few tasks
+per request, and a leak of one per 1,000 requests shows in an hour at
+3 req/s); back at the idle count after
 the load (within 3); 0 unexpected errors; TTFT p99 of the last 10 minutes
 <= 1.2x that of the first 10 (1/6 of a shorter run); the engines hold no
 request once the load is over.

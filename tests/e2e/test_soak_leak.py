@@ -15,7 +15,8 @@ Fails when:
 - the idle task or fd count is more than IDLE_TOLERANCE (3) above the idle
   count before the load, once back to idle (a leak of one task or socket
   per 100 requests or more);
-- the fitted growth of the task or fd count under load exceeds 20 over the
+- the fitted growth of the task or fd count under load (time and requests
+  in flight fitted together, bench/soak.py `flat()`) exceeds 20 over the
   run. Samples every 2 s; the counts swing with the requests in flight
   (about five tasks and one socket each, 6 clients: +-15 tasks), which puts
   the noise of the fitted growth over ~110 s at about 5; a leak of one task
