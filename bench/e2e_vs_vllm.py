@@ -109,14 +109,14 @@ BASE_TARGETS = ("vllm", "default", "genonly")
 ENV_TOKEN = re.compile(r"^[A-Z][A-Z0-9_]*=")
 
 
+def variant_env(kind: str, args: argparse.Namespace) -> list[str]:
+    """A variant's NAME=VALUE environment tokens (none for the base targets)."""
+    return [t for t in str(args.variants.get(kind, "")).split() if ENV_TOKEN.match(t)]
+
+
 def target_env(kind: str, args: argparse.Namespace) -> dict[str, str]:
     """The environment a target's server starts with."""
-    env = engine_env(args)
-    for t in str(args.variants.get(kind, "")).split():
-        if ENV_TOKEN.match(t):
-            k, _, v = t.partition("=")
-            env[k] = v
-    return env
+    return {**engine_env(args), **dict(t.split("=", 1) for t in variant_env(kind, args))}
 
 
 def target_flags(kind: str, args: argparse.Namespace) -> list[str] | None:
@@ -180,8 +180,7 @@ def describe(kind: str, args: argparse.Namespace) -> str:
     flags = target_flags(kind, args)
     if flags is None:
         return "vllm serve"
-    env = [t for t in str(args.variants.get(kind, "")).split() if ENV_TOKEN.match(t)]
-    return " ".join([*env, "npu-gateway serve", *flags])
+    return " ".join([*variant_env(kind, args), "npu-gateway serve", *flags])
 
 
 def signal_group(srv: Server, sig: int) -> None:

@@ -201,9 +201,10 @@ def test_cpu_engines_get_a_small_onednn_primitive_cache(
 ) -> None:
     from engine_adapter.backends.vllm_env import configure_process_env
 
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "PYTORCH_NPU_ALLOC_CONF"):
-        monkeypatch.delenv(k, raising=False)
+    for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
+              "PYTORCH_NPU_ALLOC_CONF"):
+        monkeypatch.setenv(k, "")  # recorded, so what configure_process_env sets is undone after the test
+        monkeypatch.delenv(k)
     configure_process_env(device)
     assert os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == expected
 
@@ -213,6 +214,7 @@ def test_an_operators_onednn_cache_size_is_kept(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
     for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
-        monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     configure_process_env("cpu")
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
