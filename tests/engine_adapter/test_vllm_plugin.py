@@ -3,6 +3,7 @@ the shared-memory queue readers vLLM then creates."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from importlib.metadata import entry_points
 
@@ -22,15 +23,14 @@ def vllm_spin_default() -> Iterator[None]:
 
 
 def reader_busy_loop() -> float:
+    """The spin of a queue reader created now, as vLLM's MessageQueue creates
+    it (no busy_loop_s argument)."""
     ctx = zmq.Context()
     try:
-        cond = shm_broadcast.SpinCondition(is_reader=True, context=ctx, notify_address="inproc://npugw-plugin-test")
-        busy = float(cond.busy_loop_s)
-        for s in (cond.local_notify_socket, cond.read_cancel_socket, cond.write_cancel_socket):
-            s.close(linger=0)
-        return busy
+        cond = shm_broadcast.SpinCondition(is_reader=True, context=ctx, notify_address=f"ipc://{uuid.uuid4().hex}")
+        return float(cond.busy_loop_s)
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 def test_vllm_finds_the_plugin() -> None:
