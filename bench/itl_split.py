@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import urllib.request
 from pathlib import Path
@@ -25,17 +24,19 @@ import e2e_vs_vllm as e2e
 from _common import RESULTS, free_port, machine_info
 
 THRESHOLDS = ("0.075", "0.1", "0.15", "0.2", "0.3")
-BUCKET = re.compile(r"^vllm:inter_token_latency_seconds_bucket\{([^}]*)\} ([0-9.e+]+)", re.M)
 
 
 def itl_buckets(port: int) -> dict[str, float]:
     """Cumulative counts per `le`, summed over engines and models."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     counts: dict[str, float] = {}
-    for m in BUCKET.finditer(text):
-        le = re.search(r'le="([^"]+)"', m.group(1))
-        if le:
-            counts[le.group(1)] = counts.get(le.group(1), 0.0) + float(m.group(2))
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "vllm:inter_token_latency_seconds_bucket":
+                le = str(float(s.labels["le"])) if s.labels["le"] != "+Inf" else "+Inf"
+                counts[le] = counts.get(le, 0.0) + s.value
     return counts
 
 
