@@ -156,8 +156,11 @@ class _Chunks:
             lps = {"content": chat_logprobs(out.logprobs)} if self.want_logprobs and out.logprobs else None
             streamer = self.streamers[i]
             if streamer is None:
-                if out.text or out.finished or lps:
-                    delta = {"content": out.text} if out.text else {}
+                # one chunk per engine step that made tokens, as vLLM's server: a token whose text is
+                # still held back (a partial UTF-8 character) gets `"content": ""`, so clients that count
+                # chunks (benchmarks, token-rate meters) see each step when it happens
+                if out.text or out.token_ids or out.finished or lps:
+                    delta = {"content": out.text} if out.text or out.token_ids else {}
                     parts.append(self._chunk(i, delta, finish(out.finish_reason), lps, out.stop_reason))
                 continue
             for delta in streamer.feed(out.text, final=out.finished):

@@ -151,8 +151,8 @@ class _Completions:
                     acc.add(out.logprobs)
                 total.offset = acc.offset
                 lp = acc.as_dict()
-            if not text and not out.finished and lp is None:
-                continue
+            if not text and not out.token_ids and not out.finished and lp is None:
+                continue  # a step that made no token (one chunk per token step, as vLLM's server)
             choice = {
                 "index": p * self.n + out.index,
                 "text": text,
