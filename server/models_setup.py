@@ -10,6 +10,7 @@ from dataclasses import replace
 from engine_adapter.backends.simulated import SimulatedConfig
 from engine_adapter.backends.vllm_config import VllmConfig
 from engine_adapter.backends.vllm_env import cpu_cores, cpu_list
+from engine_adapter.backends.vllm_plugin import BUSY_LOOP_ENV
 from engine_adapter.devices import detect_device
 from engine_adapter.metrics import EngineMetrics
 from engine_adapter.model import EMBEDDED_EMBEDDING_NAME, EMBEDDED_MODEL_NAME, resolve_model
@@ -32,6 +33,19 @@ def device_for(settings: Settings) -> str:
 # than sharing one with a mostly idle engine.
 DISJOINT_EMBEDDING_CORES = 16
 
+# On CPU the embedding engine's worker, after each step (a readiness probe of
+# an idle engine: every --readiness-interval), spins with sched_yield() for
+# vLLM's 1 s on a core the generator computes on. Measured (issue 15): ITL p99
+# and throughput of the generator at c=16 dropped with it; 50 ms still covers
+# the gaps between the steps of one embedding batch.
+CPU_EMBEDDING_BUSY_LOOP = 0.05
+
+
+def embedding_busy_loop(settings: Settings) -> float | None:
+    if settings.embedding_busy_loop is not None:
+        return settings.embedding_busy_loop
+    return CPU_EMBEDDING_BUSY_LOOP if device_for(settings) == "cpu" else None
+
 
 def cpu_binds(settings: Settings, cores: list[int] | None = None) -> tuple[str | None, str | None]:
     """(generators' VLLM_CPU_OMP_THREADS_BIND or None for the default,
@@ -53,6 +67,15 @@ def cpu_binds(settings: Settings, cores: list[int] | None = None) -> tuple[str |
     if len(cores) >= DISJOINT_EMBEDDING_CORES and not user_set:
         return cpu_list(cores[:-1]), cpu_list(own)
     return None, cpu_list(own)
+
+
+def embedding_env(bind: str | None, busy_loop: float | None) -> tuple[tuple[str, str], ...]:
+    """The embedding engine's process environment: its OpenMP cores, and the
+    spin of its shared-memory queue readers (engine_adapter/backends/vllm_plugin.py)."""
+    env: tuple[tuple[str, str], ...] = (("VLLM_CPU_OMP_THREADS_BIND", bind),) if bind else ()
+    if busy_loop is not None:
+        env += ((BUSY_LOOP_ENV, f"{busy_loop:g}"),)
+    return env
 
 
 def model_specs(settings: Settings) -> list[ModelSpec]:
@@ -134,7 +157,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
             gpu_memory_utilization=s.embedding_gpu_memory_utilization,
             profile_dir=None,  # profiling is for the generators (the pooling worker hung on stop_profile)
             profile_frontend=False,
-            process_env=(("VLLM_CPU_OMP_THREADS_BIND", emb_bind),) if emb_bind else (),
+            process_env=embedding_env(emb_bind, embedding_busy_loop(s)),
         )
         if emb_bind:
             logger.info("embedding engine: OpenMP threads on cores %s (--embedding-cpu-bind %s)",

@@ -61,6 +61,12 @@ class Settings(BaseSettings):
         "core; with 16 or more cores that core is left out of the generators' set), 'shared' (the "
         "generators' cores and thread count), or a list such as '7' or '6-7'",
     )
+    embedding_busy_loop: float | None = Field(
+        None, ge=0.0,
+        description="seconds the embedding engine's worker spins for its next step after its last one (vLLM's "
+        "shared-memory queue reader). Unset: 0.05 on CPU, where the spin takes a core the generator "
+        "computes on; vLLM's 1 s on NPU/GPU",
+    )
     embedding_gpu_memory_utilization: float = Field(
         0.05, gt=0.0, le=1.0,
         description="(NPU/GPU) device memory fraction of the embedding engine, on top of "

@@ -37,3 +37,22 @@ def test_no_cpu_binding_on_accelerators() -> None:
     s = Settings(device="npu")  # type: ignore[call-arg]
     assert cpu_binds(s, cores=[0, 1]) == (None, None)
     assert s.embedding_gpu_memory_utilization == 0.05
+
+
+def test_embedding_busy_loop_goes_to_the_embedding_engine_only() -> None:
+    from engine_adapter.backends.vllm_plugin import BUSY_LOOP_ENV
+    from server.models_setup import embedding_busy_loop, embedding_env, model_specs
+
+    assert embedding_env("1", None) == (("VLLM_CPU_OMP_THREADS_BIND", "1"),)
+    assert embedding_env(None, 0.05) == ((BUSY_LOOP_ENV, "0.05"),)
+    specs = model_specs(settings(embedding_busy_loop=0.05))
+    gen, emb = specs[0].vllm, specs[-1].vllm
+    assert gen is not None and emb is not None and emb.runner == "pooling"
+    assert dict(emb.process_env)[BUSY_LOOP_ENV] == "0.05"
+    assert BUSY_LOOP_ENV not in dict(gen.process_env)
+    cpu_default = model_specs(settings())[-1].vllm  # unset on CPU: a short spin
+    assert cpu_default is not None and dict(cpu_default.process_env)[BUSY_LOOP_ENV] == "0.05"
+    assert embedding_busy_loop(Settings(device="npu")) is None  # type: ignore[call-arg]  # vLLM's own
+    assert embedding_busy_loop(settings(embedding_busy_loop=1)) == 1.0
+    with pytest.raises(ValueError):
+        settings(embedding_busy_loop=-1)
