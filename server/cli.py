@@ -13,7 +13,8 @@ from types import FrameType
 
 import uvicorn
 
-from server.settings import Settings, add_settings_arguments, settings_from_args
+from server.settings import Settings
+from server.settings_cli import add_settings_arguments, settings_from_args
 
 logger = logging.getLogger("npu_gateway")
 

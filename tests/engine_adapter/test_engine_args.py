@@ -21,7 +21,8 @@ from engine_adapter.backends.vllm_config import (
 )
 from engine_adapter.model import embedded_model_dir, prepare_embedded_model
 from server.models_setup import model_specs
-from server.settings import Settings, add_settings_arguments, settings_from_args
+from server.settings import Settings
+from server.settings_cli import add_settings_arguments, settings_from_args
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
