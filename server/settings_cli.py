@@ -63,5 +63,3 @@ def _default_text(field: Any) -> str:
 def settings_from_args(ns: argparse.Namespace) -> Settings:
     given = {k: v for k, v in vars(ns).items() if k in Settings.model_fields}
     return Settings(**given)
-
-
