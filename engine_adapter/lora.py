@@ -251,6 +251,9 @@ class AdapterPool:
     def relays(self) -> bool:
         return bool(self.base.relays)
 
+    async def ensure_started(self) -> None:
+        await self.base.ensure_started()
+
     @property
     def running(self) -> int:
         return int(self.base.running)

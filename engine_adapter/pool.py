@@ -66,7 +66,11 @@ class WorkerPool(Supervision):
         readiness_interval: float = 5.0,
         probe_timeout: float | None = None,
         restart_backoff: tuple[float, float] = (1.0, 30.0),
+        lazy: bool = False,
+        planned_card: ModelCard | None = None,
     ) -> None:
+        """`lazy`: the engines start on the first request, not at `start()`
+        (`planned_card` stands for theirs until then)."""
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self.name = name
@@ -86,6 +90,10 @@ class WorkerPool(Supervision):
         self._queued_by_priority: Counter[int] = Counter()
         self._seq = itertools.count()
         self._accepting = False
+        self.lazy = lazy
+        self._planned = planned_card
+        self._started = False
+        self._starting: asyncio.Future[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -96,7 +104,14 @@ class WorkerPool(Supervision):
     # ---- what the HTTP layer reads -------------------------------------
     @property
     def card(self) -> ModelCard:
+        if self._planned is not None and self.deferred:
+            return self._planned
         return self.workers[0].engine.card
+
+    @property
+    def deferred(self) -> bool:
+        """A lazy pool whose engines wait for the first request."""
+        return self.lazy and not self._started
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -118,16 +133,64 @@ class WorkerPool(Supervision):
 
     def ready(self, now: float | None = None) -> bool:
         """At least one live worker did a real generation recently (passive
-        readiness: or produced output)."""
+        readiness: or produced output). A deferred pool is ready: its first
+        request starts the engines."""
+        if self.deferred:
+            return self._accepting
         return self._accepting and self.ready_workers(now) > 0
 
     # ---- lifecycle -----------------------------------------------------
     async def start(self) -> None:
+        if self.lazy:
+            self._accepting = True
+            logger.info("%s: its engine starts on first use", self.name)
+            return
+        await self._start_engines()
+
+    async def _start_engines(self) -> None:
         await asyncio.gather(*(self._start_worker(w) for w in self.workers))
-        self._accepting = True
+        if not self.lazy:  # a lazy pool accepts from `start()` on (and may be draining by now)
+            self._accepting = True
+        self._started = True
         for w in self.workers:
             await self._probe(w)
             self._spawn(self._probe_loop(w))
+
+    async def ensure_started(self) -> None:
+        """A deferred pool's engines start (once, whoever asks first; the
+        others wait for the same start). A failed start is a 503 to its
+        waiters, and the next request tries again."""
+        if not self.deferred:
+            return
+        if not self._accepting:
+            self.counters.rejected["shutting_down"] += 1
+            raise ShuttingDown("the server is shutting down", retry_after=5)
+        if self._starting is None:
+            logger.info("%s: first request: starting its engine", self.name)
+            t0 = time.monotonic()
+            starting = self._starting = asyncio.ensure_future(self._start_engines())
+
+            def done(f: asyncio.Future[None]) -> None:
+                if f.cancelled() or f.exception() is not None:
+                    err = "cancelled" if f.cancelled() else f.exception()
+                    logger.error("%s: its engine failed to start: %s", self.name, err)
+                    self._starting = None
+                    self._started = False
+                    for w in self.workers:  # a worker that did start is stopped: the next start is whole
+                        if w.alive:
+                            w.alive = False
+                            self._spawn(w.engine.stop())
+                else:
+                    logger.info("%s: engine started on first use in %.1fs", self.name, time.monotonic() - t0)
+
+            starting.add_done_callback(done)
+        waiting_for: asyncio.Future[None] = self._starting
+        try:
+            await asyncio.shield(waiting_for)
+        except GatewayError:
+            raise
+        except Exception as e:
+            raise EngineDead(f"model {self.name!r}: its engine failed to start ({e})", retry_after=5) from e
 
     async def _start_worker(self, w: Worker) -> None:
         await w.engine.start()
@@ -142,6 +205,8 @@ class WorkerPool(Supervision):
         """Stop accepting, drain in-flight work for up to `timeout`, abort the
         rest with clean errors, then stop the engines."""
         self._accepting = False
+        if self._starting is not None and not self._starting.done():  # its engine processes must not outlive us
+            await asyncio.gather(self._starting, return_exceptions=True)
         while self._queue:
             waiter = heapq.heappop(self._queue)
             if not waiter.future.done():
@@ -197,6 +262,8 @@ class WorkerPool(Supervision):
         """Admission: an engine slot per request of `ask` (one pass-through
         call for upstream nodes), or a `GatewayError` kind. `model`: the
         served name the requests carry (a router's target)."""
+        if self.lazy and not self._started:
+            await self.ensure_started()
         name = model or self.name
         reqs: Sequence[GenerationRequest]
         if isinstance(ask, Sequence):
@@ -426,6 +493,8 @@ class WorkerPool(Supervision):
             put(EngineError(f"engine error: {type(e).__name__}"))
 
     async def embed(self, req: EmbeddingRequest, session: str | None = None) -> Embedded:
+        if self.lazy and not self._started:
+            await self.ensure_started()
         w = await self._acquire(req.priority, req.deadline)
         self._running += 1
         self._idle.clear()

@@ -7,7 +7,7 @@ from typing import Literal
 
 from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
 from engine_adapter.backends.vllm import VllmEngine
-from engine_adapter.backends.vllm_config import VllmConfig
+from engine_adapter.backends.vllm_config import VllmConfig, planned_card
 from engine_adapter.metrics import EngineMetrics
 from engine_adapter.pool import WorkerPool
 from engine_adapter.types import Engine
@@ -25,6 +25,7 @@ class ModelSpec:
     max_queue_wait: float = 60.0
     readiness_interval: float = 5.0
     root: str = ""
+    lazy: bool = False  # the engines start on the first request (pool.py `ensure_started`)
 
     @property
     def name(self) -> str:
@@ -47,4 +48,6 @@ def build_pool(spec: ModelSpec, device: str, metrics: EngineMetrics | None) -> W
         max_queue_size=spec.max_queue_size,
         max_queue_wait=spec.max_queue_wait,
         readiness_interval=spec.readiness_interval,
+        lazy=spec.lazy,
+        planned_card=planned_card(spec.vllm) if spec.lazy and spec.vllm is not None else None,
     )

@@ -56,8 +56,9 @@ class PoolCollector(Collector):
             running.add_metric([p.name], p.running)
             for reason in ("queue_full", "queue_timeout", "no_worker", "shutting_down"):
                 rejected.add_metric([p.name, reason], p.counters.rejected.get(reason, 0))
-            alive.add_metric([p.name], p.alive_workers())
-            ready.add_metric([p.name], p.ready_workers())
+            if not p.deferred:  # an engine that starts on first use has no workers yet
+                alive.add_metric([p.name], p.alive_workers())
+                ready.add_metric([p.name], p.ready_workers())
             restarts.add_metric([p.name], sum(w.restarts for w in p.workers))
             for w in p.workers:
                 try:

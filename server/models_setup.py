@@ -48,6 +48,16 @@ def embedding_busy_loop(settings: Settings) -> float | None:
     return CPU_EMBEDDING_BUSY_LOOP if device_for(settings) == "cpu" else None
 
 
+def embedding_lazy(settings: Settings) -> bool:
+    """Whether the embedding engine starts on its first request. On CPU by
+    default: idle, it still cost the generator's token latency (ITL p99 at
+    c=64 1.8-2.6x `vllm serve`'s with it, 0.9-1.1x without, bench/results/
+    e2e_embspin1.json and e2e_embspin_noprobe.json)."""
+    if settings.embedding_start != "auto":
+        return settings.embedding_start == "lazy"
+    return device_for(settings) == "cpu"
+
+
 def cpu_binds(settings: Settings, cores: list[int] | None = None) -> tuple[str | None, str | None]:
     """(generators' VLLM_CPU_OMP_THREADS_BIND or None for the default,
     embedding engine's or None for the generators') on a CPU device.
@@ -105,6 +115,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
                     backend="simulated",
                     simulated=replace(sim, kind="embed", max_model_len=512, lora=False),
                     root="simulated-embedding",
+                    lazy=s.embedding_start == "lazy",  # only when asked: "auto" means the real engine's cost
                     **common,  # type: ignore[arg-type]
                 )
             )
@@ -164,7 +175,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
             logger.info("embedding engine: OpenMP threads on cores %s (--embedding-cpu-bind %s)",
                         emb_bind, s.embedding_cpu_bind)
         specs.append(
-            ModelSpec(names=emb_names, backend="vllm", vllm=emb, root=str(emb_path),
+            ModelSpec(names=emb_names, backend="vllm", vllm=emb, root=str(emb_path), lazy=embedding_lazy(s),
                       **{**common, "num_workers": 1, "slots_per_worker": min(s.max_num_seqs, 64)})  # type: ignore[arg-type]
         )
     return specs

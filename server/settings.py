@@ -65,6 +65,13 @@ class Settings(BaseSettings):
         "shared-memory queue reader). Unset: 0.05 on CPU, where the spin takes a core the generator "
         "computes on; vLLM's 1 s on NPU/GPU",
     )
+    embedding_start: Literal["auto", "eager", "lazy"] = Field(
+        "auto",
+        description="when the embedding engine starts: 'lazy' on the first embeddings (or tokenize) request, "
+        "which waits for it (~20 s on CPU); 'eager' with the gateway; 'auto': lazy on CPU, where an idle "
+        "engine still costs the generator's token latency, eager on NPU/GPU (its device memory is taken "
+        "at start-up)",
+    )
     embedding_gpu_memory_utilization: float = Field(
         0.05, gt=0.0, le=1.0,
         description="(NPU/GPU) device memory fraction of the embedding engine, on top of "

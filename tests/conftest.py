@@ -6,10 +6,15 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
+import httpx
 import pytest
-from support import GatewayProcess
+from support import EMBEDDING, GatewayProcess
 
 # The gateway's databases (the usage ledger is on by default, stored
 # responses) go to a folder of this test run, not the user's cache: apps
@@ -76,6 +81,42 @@ def real_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayPr
     gw.profile_dir = tmp / "profiles"  # type: ignore[attr-defined]
     try:
         gw.wait_ready(timeout=420)
+        gw.embedding_first_use = first_embedding_use(gw)  # type: ignore[attr-defined]
         yield gw
     finally:
         gw.stop()
+
+
+def first_embedding_use(gw: GatewayProcess) -> dict[str, Any]:
+    """The embedding engine starts on its first request by default on CPU
+    (--embedding-start auto): what the gateway showed before, during and
+    after that start (tests/integration/test_api_surface_engine.py checks
+    it). The session's tests then find the engine running, as the soak's
+    idle task and fd counts need."""
+    def state() -> dict[str, Any]:
+        ready = httpx.get(gw.url + "/ready", timeout=10)
+        models = httpx.get(gw.url + "/v1/models", timeout=10).json()["data"]
+        metrics = httpx.get(gw.url + "/metrics", timeout=10).text
+        return {
+            "ready_status": ready.status_code,
+            "ready_model": ready.json()["models"].get(EMBEDDING),
+            "max_model_len": next((m["max_model_len"] for m in models if m["id"] == EMBEDDING), None),
+            "ready_gauge": f'npugw_workers_ready{{model_name="{EMBEDDING}"}}' in metrics,
+        }
+
+    before = state()
+    health_during: list[int] = []
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        body = {"model": EMBEDDING, "input": "first use"}
+        first = pool.submit(httpx.post, gw.url + "/v1/embeddings", json=body, timeout=300)
+        while True:
+            try:
+                r = first.result(timeout=0.05)
+                break
+            except FutureTimeout:  # meanwhile the gateway answers: the engine starts off its event loop
+                health_during.append(httpx.get(gw.url + "/health", timeout=5).status_code)
+    took = time.monotonic() - t0
+    dim = len(r.json()["data"][0]["embedding"]) if r.status_code == 200 else None
+    return {"before": before, "after": state(), "status": r.status_code, "body": r.text[:300], "dim": dim,
+            "seconds": took, "health_during": health_during}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -34,6 +35,7 @@ from engine_adapter.backends.vllm_config import VllmConfig, make_engine_args
 from engine_adapter.backends.vllm_env import configure_process_env, engine_process_env
 
 logger = logging.getLogger(__name__)
+_CONSTRUCTING = threading.Lock()  # one AsyncLLM constructor at a time (each sets the environment it starts with)
 
 
 class HfTokenizer:
@@ -230,8 +232,17 @@ class VllmEngine:
         logger.info("starting vLLM engine %d: %s", self.index, kwargs)
         args = make_engine_args(kwargs)
         factory = make_stat_logger_factory(self, self._metrics)
-        with engine_process_env(self.config.process_env):
-            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+        env = self.config.process_env
+
+        def construct() -> Any:
+            with _CONSTRUCTING, engine_process_env(env):
+                return AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+
+        # In a thread: the constructor starts the engine processes and waits for
+        # them (~20 s on CPU); the event loop goes on serving meanwhile (an engine
+        # started on first use, /health during start-up). One at a time: each
+        # sets its own environment for the processes it starts.
+        self._llm = await asyncio.to_thread(construct)
         mc = self._llm.model_config
         kind: Literal["generate", "embed"] = "embed" if self.config.runner == "pooling" else "generate"
         dim = None

@@ -6,10 +6,14 @@ of the rest against vLLM's AsyncEngineArgs. Imports vllm only in
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import platform
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
+
+from engine_adapter.types import ModelCard
 
 logger = logging.getLogger(__name__)
 
@@ -159,3 +163,27 @@ def make_engine_args(kwargs: dict[str, Any]) -> Any:
             "(keys are `vllm serve` flags with '_' for '-')"
         )
     return AsyncEngineArgs(**kwargs)
+
+
+def planned_card(cfg: VllmConfig) -> ModelCard:
+    """The card an engine of `cfg` will have, read from its model folder
+    without starting it (a pool whose engine starts on first use lists its
+    model meanwhile). The length follows vLLM: `--max-model-len`, else a
+    sentence-transformers folder's `max_seq_length`, else the config's
+    `max_position_embeddings`."""
+    folder = Path(cfg.model)
+    hf = _json(folder / "config.json")
+    length = cfg.max_model_len or _json(folder / "sentence_bert_config.json").get("max_seq_length")
+    length = length or hf.get("max_position_embeddings") or hf.get("n_positions") or 2048
+    embed = cfg.runner == "pooling"
+    dim = int(hf.get("hidden_size") or 0) or None if embed else None
+    return ModelCard(max_model_len=int(length), kind="embed" if embed else "generate", embedding_dim=dim,
+                     root=cfg.model)
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

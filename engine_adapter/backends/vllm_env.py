@@ -51,7 +51,8 @@ def configure_process_env(device: str) -> None:
 def engine_process_env(env: Sequence[tuple[str, str]]) -> Iterator[None]:
     """`env` on top of the process environment while one engine's processes
     start (they inherit it), restored afterwards. AsyncLLM's constructor
-    starts them synchronously, so no other engine starts meanwhile."""
+    starts them synchronously, and constructors run one at a time
+    (vllm.py's `_CONSTRUCTING`), so no other engine starts meanwhile."""
     saved = {k: os.environ.get(k) for k, _ in env}
     os.environ.update(dict(env))
     try:

@@ -19,6 +19,7 @@ pools'). It has the surface the HTTP routes use from a pool (`acquire`,
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import math
@@ -58,6 +59,8 @@ class ServedPool(Protocol):
 
     @property
     def relays(self) -> bool: ...
+
+    async def ensure_started(self) -> None: ...
 
     async def acquire(
         self, ask: Ask | Sequence[GenerationRequest], session: str | None = None, model: str | None = None
@@ -170,6 +173,10 @@ class Router:
     def relays(self) -> bool:
         """Every target is upstream nodes: requests are passed through."""
         return all(p.relays for p in self._all_pools())
+
+    async def ensure_started(self) -> None:
+        """The engines of targets that start on first use (see WorkerPool)."""
+        await asyncio.gather(*(p.ensure_started() for p in self._all_pools()))
 
     @property
     def running(self) -> int:

@@ -54,6 +54,7 @@ async def create_embeddings(
         ask.path = "/v1/embeddings"
         gen = await admit(request, gw, principal, model, ask, session_of(request, body.user))
         return await relay_response(request, gen)
+    await until_disconnect(request, pool.ensure_started())  # an engine started on first use: ~20 s on CPU
     card = pool.card
     if body.dimensions is not None and body.dimensions != card.embedding_dim:
         raise InvalidRequest(

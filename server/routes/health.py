@@ -25,7 +25,11 @@ _JSON: dict[str, Any] = {"content": {"application/json": {}}}
 
 @router.get("/ready", responses={200: _JSON, 503: _JSON})
 async def ready(gw: GatewayDep) -> Response:
-    models = {p.name: {"alive": p.alive_workers(), "ready": p.ready_workers()} for p in gw.pools}
+    models: dict[str, dict[str, Any]] = {}
+    for p in gw.pools:
+        models[p.name] = {"alive": p.alive_workers(), "ready": p.ready_workers()}
+        if p.deferred:
+            models[p.name]["deferred"] = True  # its engine starts on the first request for it
     # With local engines, a remote upstream's health is the router's business
     # (breaker, fallback): it must not take this gateway out of the load
     # balancer. A gateway tier (no local engine) is ready when every served

@@ -20,6 +20,7 @@ router = APIRouter(tags=["vllm"])
 async def tokenize(body: TokenizeRequest, gw: GatewayDep, principal: AuthDep) -> dict[str, Any]:
     model = gw.resolve(body.model, kind=_kind(gw, body.model))
     principal.check_model(model.id)
+    await model.pool.ensure_started()
     tok = model.pool.tokenizer
     if body.messages is not None:
         chat = ChatCompletionRequest.model_construct(
@@ -41,6 +42,7 @@ async def tokenize(body: TokenizeRequest, gw: GatewayDep, principal: AuthDep) ->
 async def detokenize(body: DetokenizeRequest, gw: GatewayDep, principal: AuthDep) -> dict[str, Any]:
     model = gw.resolve(body.model, kind=_kind(gw, body.model))
     principal.check_model(model.id)
+    await model.pool.ensure_started()
     tok = model.pool.tokenizer
     if body.tokens and max(body.tokens) >= tok.vocab_size:
         raise InvalidRequest("tokens hold an id outside the vocabulary", param="tokens")

@@ -275,6 +275,27 @@ def test_embeddings_similarity_formats_and_limits(client: openai.OpenAI, real_ga
     assert isinstance(e.value.body, dict) and e.value.body["param"] == "dimensions"
 
 
+def test_embedding_engine_starts_on_first_use(real_gateway: GatewayProcess) -> None:
+    """The default on CPU (--embedding-start auto): the session gateway came
+    up without its embedding engine; the first embeddings request started it
+    (tests/conftest.py `first_embedding_use` recorded what the gateway showed)."""
+    seen: dict[str, Any] = real_gateway.embedding_first_use  # type: ignore[attr-defined]
+    before, after = seen["before"], seen["after"]
+    assert before["ready_status"] == 200  # ready without it: the first request starts it
+    assert before["ready_model"] == {"alive": 0, "ready": 0, "deferred": True}
+    assert not before["ready_gauge"]  # no npugw_workers_ready sample: no "no ready worker" alert
+    assert seen["status"] == 200 and seen["dim"] == 384, seen
+    assert seen["health_during"] and set(seen["health_during"]) == {200}  # the loop served during the start
+    assert after["ready_model"] == {"alive": 1, "ready": 1}
+    assert after["ready_gauge"]
+    assert before["max_model_len"] == after["max_model_len"] == 256  # the planned card is the engine's
+    log = real_gateway.log()
+    assert "all-MiniLM-L6-v2: its engine starts on first use" in log
+    assert "all-MiniLM-L6-v2: engine started on first use in" in log
+    print(f"embedding engine started on first use in {seen['seconds']:.1f}s; "
+          f"{len(seen['health_during'])} /health answers meanwhile")
+
+
 def test_models_list_both_models(client: openai.OpenAI) -> None:
     data = {m.id: m for m in client.models.list()}
     assert {EMBEDDED, EMBEDDING} <= set(data)

@@ -56,3 +56,26 @@ def test_embedding_busy_loop_goes_to_the_embedding_engine_only() -> None:
     assert embedding_busy_loop(settings(embedding_busy_loop=1)) == 1.0
     with pytest.raises(ValueError):
         settings(embedding_busy_loop=-1)
+
+
+def test_the_embedding_engine_starts_on_first_use_on_cpu_by_default() -> None:
+    from engine_adapter.backends.vllm_config import planned_card
+    from engine_adapter.registry import build_pool
+    from server.models_setup import embedding_lazy, model_specs
+
+    assert embedding_lazy(settings())  # auto on CPU
+    assert not embedding_lazy(Settings(device="npu"))  # type: ignore[call-arg]  # its device memory: at start
+    assert not embedding_lazy(settings(embedding_start="eager"))
+    assert embedding_lazy(Settings(device="npu", embedding_start="lazy"))  # type: ignore[call-arg]
+    specs = model_specs(settings())
+    assert [s.lazy for s in specs] == [False, True]  # the generator starts with the gateway
+    emb = specs[-1].vllm
+    assert emb is not None
+    card = planned_card(emb)  # what /v1/models lists until it starts: vLLM's 256 (sentence-transformers)
+    assert (card.kind, card.max_model_len, card.embedding_dim) == ("embed", 256, 384)
+    pool = build_pool(specs[-1], "cpu", None)
+    assert pool.deferred and pool.card == card
+    gen_card = planned_card(specs[0].vllm)  # type: ignore[arg-type]
+    assert gen_card.kind == "generate" and gen_card.max_model_len == 8192  # SmolLM2's max_position_embeddings
+    with pytest.raises(ValueError):
+        settings(embedding_start="later")
