@@ -7,8 +7,10 @@ same load generator (`vllm bench serve`, random dataset).
         --variant "probe-active=--readiness-probe active" --variant "emb-shared=--embedding-cpu-bind shared"
 
 Targets: `vllm` (`vllm serve`), `default` (`npu-gateway serve` as a user runs
-it: the generator and the embedding engine), `genonly` (`--embedding-model
-none`, the generator alone), and `--variant NAME=FLAGS` (the default plus
+it: the generator and the embedding model, whose engine on CPU starts on its
+first request, and this bench sends none; `--variant "eager=--embedding-start
+eager"` runs it from the start), `genonly` (`--embedding-model none`, the
+generator alone), and `--variant NAME=FLAGS` (the default plus
 FLAGS: one fix on or off, measured in the same run; leading upper-case
 NAME=VALUE tokens are its environment, e.g. 'nofreeze=NPUGW_GC_FREEZE=0').
 Ratios are each target over `vllm`.

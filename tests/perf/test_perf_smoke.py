@@ -1,5 +1,6 @@
-"""Perf smoke: the default `npu-gateway serve` (generator + embedding
-engine) against `vllm serve` on the same box, same weights and engine flags
+"""Perf smoke: the default `npu-gateway serve` (the generator, and the
+embedding model, whose engine on CPU starts on its first request: none
+comes here) against `vllm serve` on the same box, same weights and engine flags
 as bench/e2e_vs_vllm.py, at two concurrencies. Fails when our output
 throughput falls below GATE x vllm serve's in the same run. Ratios only: no
 absolute number is checked, so a slower or busier machine does not fail it.
