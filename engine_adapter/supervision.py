@@ -52,19 +52,30 @@ class Supervision:
 
     async def _restart(self, w: Worker) -> None:
         delay, cap = self.restart_backoff
+        try:
+            await w.engine.stop()
+        except Exception:
+            logger.debug("stopping dead engine failed", exc_info=True)
         while self._accepting:
+            # The new engine takes the worker's place once it runs: while it
+            # starts (~20 s on CPU, the event loop serving), the old one's card
+            # and tokenizer answer what the pool is asked (`pool.card`).
+            engine = self._factory(w.index)
             try:
-                await w.engine.stop()
-            except Exception:
-                logger.debug("stopping dead engine failed", exc_info=True)
-            try:
-                w.engine = self._factory(w.index)
-                await w.engine.start()
+                await engine.start()
             except Exception:
                 logger.exception("%s worker %d failed to restart; retry in %.0fs", self.name, w.index, delay)
+                try:
+                    await engine.stop()
+                except Exception:
+                    logger.debug("stopping the engine that failed to start failed", exc_info=True)
                 await asyncio.sleep(delay)
                 delay = min(cap, delay * 2)
                 continue
+            except asyncio.CancelledError:  # a stop during the restart: nothing it started outlives it
+                await asyncio.shield(engine.stop())
+                raise
+            w.engine = engine
             w.alive = True
             w.restarts += 1
             logger.info("%s worker %d restarted", self.name, w.index)

@@ -234,15 +234,30 @@ class VllmEngine:
         factory = make_stat_logger_factory(self, self._metrics)
         env = self.config.process_env
 
-        def construct() -> Any:
+        handover = threading.Lock()
+        abandoned = False
+
+        def construct() -> None:
             with _CONSTRUCTING, engine_process_env(env):
-                return AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+                llm = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+            with handover:
+                if not abandoned:
+                    self._llm = llm
+                    return
+            llm.shutdown()  # whoever started it was cancelled (a stop during the start)
 
         # In a thread: the constructor starts the engine processes and waits for
         # them (~20 s on CPU); the event loop goes on serving meanwhile (an engine
-        # started on first use, /health during start-up). One at a time: each
-        # sets its own environment for the processes it starts.
-        self._llm = await asyncio.to_thread(construct)
+        # started on first use, a worker restarting, /health during start-up).
+        # One at a time: each sets its own environment for the processes it
+        # starts. A cancelled start leaves no engine processes behind: the
+        # thread shuts down what it built, or stop() does if it was handed over.
+        try:
+            await asyncio.to_thread(construct)
+        except asyncio.CancelledError:
+            with handover:
+                abandoned = True
+            raise
         mc = self._llm.model_config
         kind: Literal["generate", "embed"] = "embed" if self.config.runner == "pooling" else "generate"
         dim = None

@@ -13,7 +13,7 @@ from support import wait_until
 from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
 from engine_adapter.errors import EngineDead, QueueFull, QueueTimeout, RequestTimeout, ShuttingDown
 from engine_adapter.pool import WorkerPool
-from engine_adapter.types import EngineOutput, GenerationRequest, SamplingOptions
+from engine_adapter.types import EngineOutput, GenerationRequest, ModelCard, SamplingOptions
 
 
 def req(rid: str, max_tokens: int = 3, priority: int = 0, deadline: float | None = None) -> GenerationRequest:
@@ -177,6 +177,67 @@ async def test_dead_engine_fails_in_flight_and_restarts() -> None:
     outs = await drain(pool, req("after", 2))
     assert len(outs) == 2
     await pool.stop()
+
+
+class Unstarted(SimulatedEngine):
+    """Like VllmEngine: no card before its first start ends (it keeps it
+    once stopped); after the pool's first two, each start waits for `go`
+    (the event loop runs meanwhile)."""
+
+    go = asyncio.Event()
+    starts = 0
+
+    def __init__(self) -> None:
+        super().__init__(SimulatedConfig(itl=0.01))
+        self.has_card = False
+        self.stops = 0
+
+    @property
+    def card(self) -> ModelCard:
+        if not self.has_card:
+            raise EngineDead("engine not started")
+        return super().card
+
+    async def start(self) -> None:
+        Unstarted.starts += 1
+        if Unstarted.starts > 2:
+            await Unstarted.go.wait()
+        self.has_card = True
+
+    async def stop(self) -> None:
+        self.stops += 1
+
+
+@pytest.mark.asyncio
+async def test_a_restarting_worker_leaves_the_pool_serving_and_a_stop_stops_its_new_engine() -> None:
+    Unstarted.go, Unstarted.starts = asyncio.Event(), 0
+    engines: list[Unstarted] = []
+
+    def factory(i: int) -> Unstarted:
+        engines.append(Unstarted())
+        return engines[-1]
+
+    pool = WorkerPool("m", factory, num_workers=2, restart_backoff=(0.01, 0.05))  # type: ignore[arg-type]
+    await pool.start()
+    engines[0].kill()
+    with pytest.raises(EngineDead):
+        await one_on_each(pool)
+    await wait_until(lambda: len(engines) == 3, what="the restart's new engine")
+    # worker 0's new engine is starting: the pool's card, and worker 1, serve
+    assert pool.card.max_model_len > 0
+    assert len(await drain(pool, req("meanwhile", 2))) == 2
+    assert pool.workers[0].restarts == 0 and not pool.workers[0].alive
+    await pool.stop()  # during the restart
+    assert engines[2].stops == 1 and pool.workers[0].restarts == 0
+
+
+async def one_on_each(pool: WorkerPool) -> None:
+    """Two requests at once (least-loaded dispatch gives one to each worker);
+    raises the first one's error."""
+    results = await asyncio.gather(*(drain(pool, req(f"r{i}", 3)) for i in range(2)), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
 
 
 @pytest.mark.asyncio

@@ -121,6 +121,7 @@ class FakePool:
     def __init__(self, engine: VllmEngine) -> None:
         self.name, self.running, self.workers = "m", 0, [FakeWorker(engine)]
         self.counters = _ns(rejected={})
+        self.deferred = False
 
     def queue_depth_by_priority(self) -> dict[int, int]:
         return {}
