@@ -184,7 +184,10 @@ def test_engine_counters_move_by_exactly_the_served_usage(real_gateway: GatewayP
 async def test_queue_depth_rises_while_requests_wait_and_drains(real_gateway: GatewayProcess) -> None:
     """20 concurrent streams on --max-num-seqs 8: 8 run, the rest wait in
     the gateway's queue (visible in npugw_queue_depth), then it drains to 0."""
-    n, max_tokens = 20, 64
+    # 192 tokens: each wave of 8 runs ~5 s, so the queue stands ~10 s. With
+    # 64 (waves of 1.7 s) CI's box once ran the three waves while this
+    # process's loop got no turn for 3.9 s between two scrapes.
+    n, max_tokens = 20, 192
     body = {
         "model": EMBEDDED,
         "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
