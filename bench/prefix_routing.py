@@ -6,7 +6,8 @@
 Topologies:
 - `tier` (default): two node gateways with one engine each, pinned one per
   core (VLLM_CPU_OMP_THREADS_BIND=0 and =1), fronted by two gateway-only
-  processes (`--model none --upstream smol=URL0,URL1`), one per policy: the
+  processes (`--model none --upstream 'smol=URL0,URL1;slots=8'`: each node
+  runs --max-num-seqs 8 at once), one per policy: the
   policy is switched by switching fronts, the engines stay up. The fronts
   key the prompt by bytes of the request's JSON.
 - `local`: two gateways with `--num-workers 2` each (one per policy; the
@@ -72,7 +73,9 @@ def node_args(a: argparse.Namespace) -> list[str]:
     for kv in a.engine_arg:
         args += ["--engine-arg", kv]
     if a.smoke:  # the script's plumbing on simulated engines (no cache counters)
-        args += ["--backend", "simulated", "--simulated-itl", "0.005", "--served-model-name", MODEL_NAME]
+        # (its byte-level tokenizer makes ~1.2 tokens of a character)
+        args += ["--backend", "simulated", "--simulated-itl", "0.005", "--served-model-name", MODEL_NAME,
+                 "--max-model-len", "16384"]
     return args
 
 
@@ -113,9 +116,11 @@ class Setup:
                 self.nodes.append(node)
                 print(f"  node {core}: ready in {node.start_s:.0f} s (engine on core {core})", flush=True)
             ups = ",".join(url_of(n) for n in self.nodes)
+            # each node runs --max-num-seqs at once: the fronts' routing hint
+            slots = f";slots={a.max_num_seqs}" if a.front_slots else ""
             for p in POLICIES:
                 front = gateway(f"prefix_routing_front_{p}", [
-                    "--model", "none", "--upstream", f"smol={ups};model={MODEL_NAME}", "--routing-policy", p,
+                    "--model", "none", "--upstream", f"smol={ups};model={MODEL_NAME}{slots}", "--routing-policy", p,
                     "--max-queue-size", "512", "--max-queue-wait", "600", *policy_args(a, p)], timeout=120)
                 self.servers.append(front.start())
                 self.fronts[p] = front
@@ -341,6 +346,8 @@ async def main_async(a: argparse.Namespace, setup: Setup) -> dict[str, Any]:
         wl = Workload(kind, a, f"cap-{kind}", 1)
         r = await measured(setup, "least-outstanding", wl, "saturation", 0)
         capacity[kind] = r["req_s"]
+        if not r["req_s"]:
+            raise SystemExit(f"capacity ({kind}): no request succeeded: {r['error_samples']}")
         print(f"  capacity ({kind}, least-outstanding, c={a.concurrency}): {r['req_s']:.2f} req/s, "
               f"{r['out_tok_s']:.0f} out tok/s", flush=True)
     result["capacity_req_s"] = capacity
@@ -407,6 +414,8 @@ def main() -> None:
     ap.add_argument("--continue-frac", type=float, default=0.3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=8, help="per engine")
+    ap.add_argument("--no-front-slots", dest="front_slots", action="store_false",
+                    help="tier: the fronts' upstream without ;slots=--max-num-seqs (as before 2026-12-03)")
     ap.add_argument("--engine-arg", action="append", default=[], help="KEY=VALUE for the engines (a tuned variant)")
     ap.add_argument("--prefix-arg", default="", help="extra flags of the prefix gateway, e.g. "
                     "'--routing-balance-abs-threshold 2' (a tuned variant: give it a --label)")

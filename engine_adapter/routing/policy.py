@@ -19,7 +19,10 @@ strategy, chosen per model by `--routing-policy`:
   entries, says which engines probably still hold the prompt's prefix in
   their KV cache. The engine with the longest match wins, unless its load
   exceeds the least-loaded engine's by more than `balance_abs` requests and
-  `balance_rel` times: then least outstanding (`load_fallback`). A session
+  `balance_rel` times, or it is full (`slots` requests in flight: an
+  upstream's `;slots=N`) while the least-loaded one has room: then least
+  outstanding (`load_fallback`). A queue on a full engine costs a whole
+  generation; a prefill elsewhere, a fraction of one. A session
   key, when given, takes precedence (session routing). A dead, restarted or
   ejected engine `forget`s its entries.
 
@@ -76,7 +79,9 @@ class PolicyStats:
 class RoutingPolicy:
     """The interface. `engines` are stable small integer ids (a worker's
     index, an URL's position), `loads` their requests in flight, in the same
-    order; `choose` returns a position in them (never called empty)."""
+    order; `choose` returns a position in them (never called empty).
+    `slots`: how many requests an engine runs at once, when the caller
+    knows it and has not already left the full engines out."""
 
     name: ClassVar[str] = "least-outstanding"
     unit: str = "tokens"  # of the matched length: tokens, or bytes of JSON
@@ -97,7 +102,9 @@ class RoutingPolicy:
         """The key of a passed-through request (its JSON body)."""
         return None
 
-    def choose(self, engines: Sequence[int], loads: Sequence[int], key: RouteKey | None) -> int:
+    def choose(
+        self, engines: Sequence[int], loads: Sequence[int], key: RouteKey | None, slots: int | None = None
+    ) -> int:
         self.stats.decisions["least_outstanding"] += 1
         return least(loads)
 
@@ -153,9 +160,11 @@ class SessionPolicy(RoutingPolicy):
     ) -> RouteKey | None:
         return RouteKey(session) if session else None
 
-    def choose(self, engines: Sequence[int], loads: Sequence[int], key: RouteKey | None) -> int:
+    def choose(
+        self, engines: Sequence[int], loads: Sequence[int], key: RouteKey | None, slots: int | None = None
+    ) -> int:
         if key is None or key.session is None:
-            return super().choose(engines, loads, key)
+            return super().choose(engines, loads, key, slots)
         self.stats.decisions["session"] += 1
         return rendezvous(key.session, engines)
 
@@ -223,7 +232,9 @@ class PrefixPolicy(RoutingPolicy):
         return RouteKey(session, tuple(blocks), b)
 
     # ---- choice ----------------------------------------------------------
-    def choose(self, engines: Sequence[int], loads: Sequence[int], key: RouteKey | None) -> int:
+    def choose(
+        self, engines: Sequence[int], loads: Sequence[int], key: RouteKey | None, slots: int | None = None
+    ) -> int:
         stats = self.stats
         if key is None:
             stats.decisions["no_match"] += 1
@@ -255,7 +266,8 @@ class PrefixPolicy(RoutingPolicy):
                 if hit >> e & 1 and (pick < 0 or loads[i] < loads[pick]):
                     pick = i
             over = loads[pick] - loads[low]
-            if over > self.balance_abs and loads[pick] > loads[low] * self.balance_rel:
+            full = slots is not None and loads[pick] >= slots > loads[low]
+            if full or (over > self.balance_abs and loads[pick] > loads[low] * self.balance_rel):
                 reason, pick = "load_fallback", low
             else:
                 reason = "prefix_hit"

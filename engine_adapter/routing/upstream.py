@@ -72,12 +72,13 @@ class UpstreamConfig:
     api_key_env: str | None = None  # environment variable holding the upstream key
     api: str | None = None  # the client APIs the node serves (api_relay.API_NAMES); default: its /openapi.json
     plain: Literal["direct", "stream"] = "direct"  # how a non-streaming client's generation is called
+    slots: int | None = None  # requests one URL runs at once (its --max-num-seqs x workers); a routing hint
 
 
 
 _NUMBERS: dict[str, Callable[[str], float | int]] = {
     "connect_timeout": float, "read_timeout": float, "health_interval": float,
-    "cooldown": float, "eject_after": int, "max_model_len": int,
+    "cooldown": float, "eject_after": int, "max_model_len": int, "slots": int,
 }
 _TEXTS = ("model", "api_key_env", "api", "plain")
 
@@ -99,6 +100,8 @@ def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:
     cfg = UpstreamConfig(name=name, urls=tuple(u.removesuffix("/v1") for u in found), **kw)
     if cfg.eject_after < 1 or min(cfg.connect_timeout, cfg.read_timeout, cfg.health_interval, cfg.cooldown) <= 0:
         raise ValueError(f"upstream {name!r}: timeouts, intervals and eject_after must be positive")
+    if cfg.slots is not None and cfg.slots < 1:
+        raise ValueError(f"upstream {name!r}: slots must be >= 1")
     if cfg.api is not None:
         parse_apis(cfg.api, name)
     if cfg.plain not in ("direct", "stream"):
@@ -215,7 +218,7 @@ class Upstream:
             ids = [i for i, ep in enumerate(self.endpoints) if ep not in exclude and ep.usable(now, cd)]
             if ids:
                 loads = [self.endpoints[i].outstanding for i in ids]
-                best = self.endpoints[ids[self.policy.choose(ids, loads, key)]]
+                best = self.endpoints[ids[self.policy.choose(ids, loads, key, self.cfg.slots)]]
         if best is None:
             raise ServiceUnavailable(
                 f"upstream {self.cfg.name!r}: every URL is ejected (failing requests or health checks)",

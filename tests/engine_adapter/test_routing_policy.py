@@ -25,7 +25,7 @@ from engine_adapter.routing.policy import (
     make_policy,
     parse_policies,
 )
-from engine_adapter.routing.upstream import Endpoint, Upstream, UpstreamConfig
+from engine_adapter.routing.upstream import Endpoint, Upstream, UpstreamConfig, parse_upstream
 from engine_adapter.types import GenerationRequest, SamplingOptions
 
 
@@ -133,6 +133,29 @@ def test_the_load_fallback_needs_both_thresholds() -> None:
     assert choose(r, prompt(1), [0, 1]) == 0
     assert choose(r, prompt(2), [20, 12]) == 0  # 8 above but not 2x: stays
     assert r.stats.decisions["load_fallback"] == 0
+
+
+def test_a_match_on_a_full_engine_falls_back_while_another_has_room() -> None:
+    p = PrefixPolicy(block_tokens=16, min_block_tokens=16)  # thresholds 16 and 1.5: never reached here
+    engines = [0, 1]
+    key = p.key_for_tokens(prompt(1), None)
+    assert p.choose(engines, [0, 1], key, slots=4) == 0  # engine 0 has the prefix now
+    assert p.choose(engines, [3, 0], key, slots=4) == 0  # a free slot left: the match wins
+    assert p.choose(engines, [4, 0], key) == 0  # slots unknown: only the thresholds count
+    assert p.stats.decisions["load_fallback"] == 0
+    assert p.choose(engines, [4, 3], key, slots=4) == 1  # full, the other has room: least outstanding
+    assert p.stats.decisions["load_fallback"] == 1
+    q = PrefixPolicy(block_tokens=16, min_block_tokens=16)
+    assert q.choose(engines, [0, 1], key, slots=4) == 0
+    assert q.choose(engines, [6, 4], key, slots=4) == 0  # all full: it waits where its prefix is
+    assert q.stats.decisions["load_fallback"] == 0
+    # least-outstanding and session ignore slots
+    assert RoutingPolicy().choose(engines, [4, 3], None, slots=4) == 1
+    s = SessionPolicy()
+    home = s.choose(engines, [0, 0], s.key_for_tokens(prompt(1), "alice"), slots=4)
+    full = [4, 4]
+    full[1 - home] = 0
+    assert s.choose(engines, full, s.key_for_tokens(prompt(1), "alice"), slots=4) == home
 
 
 def test_a_dead_engine_loses_its_entries() -> None:
@@ -258,6 +281,30 @@ async def test_upstream_pick_follows_the_prefix_and_an_ejected_url_forgets() -> 
     first.state, first.outstanding = "closed", 0
     assert up.pick(key=key) is second  # the new home, though busier now
     assert up.policy.stats.decisions["prefix_hit"] >= 2
+
+
+@pytest.mark.asyncio
+async def test_upstream_slots_move_a_match_off_a_full_url() -> None:
+    assert parse_upstream("r=http://a,http://b;slots=8").slots == 8
+    assert parse_upstream("r=http://a").slots is None
+    with pytest.raises(ValueError, match="slots must be >= 1"):
+        parse_upstream("r=http://a;slots=0")
+    with pytest.raises(ValueError, match="not a number"):
+        parse_upstream("r=http://a;slots=many")
+    up = Upstream(parse_upstream("r=http://a,http://b;slots=2"))
+    up.endpoints = [Endpoint("http://a"), Endpoint("http://b")]
+    up.policy = PrefixPolicy(block_bytes=32)
+    body = {"model": "r", "messages": [{"role": "system", "content": "long shared instructions " * 20}]}
+    key = up.policy.key_for_body(body, None)
+    home = up.pick(key=key)
+    other = up.endpoints[1 - up.endpoints.index(home)]
+    home.outstanding = 1
+    assert up.pick(key=key) is home  # one slot left
+    home.outstanding = 2
+    assert up.pick(key=key) is other  # full: the other URL has room
+    assert up.policy.stats.decisions["load_fallback"] == 1
+    other.outstanding = 2
+    assert up.pick(key=key) in (home, other)  # both full: both hold the prefix now
 
 
 # ---- through a gateway tier -----------------------------------------------
