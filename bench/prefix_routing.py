@@ -415,7 +415,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=8, help="per engine")
     ap.add_argument("--no-front-slots", dest="front_slots", action="store_false",
-                    help="tier: the fronts' upstream without ;slots=--max-num-seqs (as before 2026-12-03)")
+                    help="tier: the fronts' upstream without ;slots=--max-num-seqs (the fronts still read "
+                         "the nodes' slots from their /v1/models cards)")
     ap.add_argument("--engine-arg", action="append", default=[], help="KEY=VALUE for the engines (a tuned variant)")
     ap.add_argument("--prefix-arg", default="", help="extra flags of the prefix gateway, e.g. "
                     "'--routing-balance-abs-threshold 2' (a tuned variant: give it a --label)")

@@ -264,6 +264,7 @@ class ModelCardOut(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    slots: int | None = None  # npu-gateway: requests it runs at once (workers x --max-num-seqs)
 
 
 class ModelList(BaseModel):

@@ -19,8 +19,9 @@ strategy, chosen per model by `--routing-policy`:
   entries, says which engines probably still hold the prompt's prefix in
   their KV cache. The engine with the longest match wins, unless its load
   exceeds the least-loaded engine's by more than `balance_abs` requests and
-  `balance_rel` times, or it is full (`slots` requests in flight: an
-  upstream's `;slots=N`) while the least-loaded one has room: then least
+  `balance_rel` times, or it is full (its `slots` requests in flight: an
+  upstream URL's `;slots=N`, or what its /v1/models says) while the
+  least-loaded one has room: then least
   outstanding (`load_fallback`). A queue on a full engine costs a whole
   generation; a prefill elsewhere, a fraction of one. A session
   key, when given, takes precedence (session routing). A dead, restarted or
@@ -80,8 +81,8 @@ class RoutingPolicy:
     """The interface. `engines` are stable small integer ids (a worker's
     index, an URL's position), `loads` their requests in flight, in the same
     order; `choose` returns a position in them (never called empty).
-    `slots`: how many requests an engine runs at once, when the caller
-    knows it and has not already left the full engines out."""
+    `slots`: how many requests each engine runs at once (0: unknown), when
+    the caller knows it and has not already left the full engines out."""
 
     name: ClassVar[str] = "least-outstanding"
     unit: str = "tokens"  # of the matched length: tokens, or bytes of JSON
@@ -103,7 +104,8 @@ class RoutingPolicy:
         return None
 
     def choose(
-        self, engines: Sequence[int], loads: Sequence[int], key: RouteKey | None, slots: int | None = None
+        self, engines: Sequence[int], loads: Sequence[int], key: RouteKey | None,
+        slots: Sequence[int] | None = None,
     ) -> int:
         self.stats.decisions["least_outstanding"] += 1
         return least(loads)
@@ -161,7 +163,8 @@ class SessionPolicy(RoutingPolicy):
         return RouteKey(session) if session else None
 
     def choose(
-        self, engines: Sequence[int], loads: Sequence[int], key: RouteKey | None, slots: int | None = None
+        self, engines: Sequence[int], loads: Sequence[int], key: RouteKey | None,
+        slots: Sequence[int] | None = None,
     ) -> int:
         if key is None or key.session is None:
             return super().choose(engines, loads, key, slots)
@@ -233,7 +236,8 @@ class PrefixPolicy(RoutingPolicy):
 
     # ---- choice ----------------------------------------------------------
     def choose(
-        self, engines: Sequence[int], loads: Sequence[int], key: RouteKey | None, slots: int | None = None
+        self, engines: Sequence[int], loads: Sequence[int], key: RouteKey | None,
+        slots: Sequence[int] | None = None,
     ) -> int:
         stats = self.stats
         if key is None:
@@ -266,7 +270,7 @@ class PrefixPolicy(RoutingPolicy):
                 if hit >> e & 1 and (pick < 0 or loads[i] < loads[pick]):
                     pick = i
             over = loads[pick] - loads[low]
-            full = slots is not None and loads[pick] >= slots > loads[low]
+            full = slots is not None and 0 < slots[pick] <= loads[pick] and not 0 < slots[low] <= loads[low]
             if full or (over > self.balance_abs and loads[pick] > loads[low] * self.balance_rel):
                 reason, pick = "load_fallback", low
             else:

@@ -15,6 +15,10 @@ requests, each guarded by a circuit breaker (passive) and health checks
   quick `/health` ping, and one unseen for `read_timeout` is ejected, which
   fails its waiters at once: a node that stops answering ends them within
   `read_timeout`, whatever the health-check interval.
+- Slots: how many requests a URL runs at once, `;slots=N`, else the
+  `slots` of its model card (an npu-gateway node says it). The routing
+  policy does not follow a prompt's prefix onto a full URL while another
+  has room.
 - Model ids: the check learns the node's own model id from `/v1/models`
   (the one model it serves, else the served name if the node lists it, else
   `;model=ID` must pick one) and its
@@ -72,7 +76,7 @@ class UpstreamConfig:
     api_key_env: str | None = None  # environment variable holding the upstream key
     api: str | None = None  # the client APIs the node serves (api_relay.API_NAMES); default: its /openapi.json
     plain: Literal["direct", "stream"] = "direct"  # how a non-streaming client's generation is called
-    slots: int | None = None  # requests one URL runs at once (its --max-num-seqs x workers); a routing hint
+    slots: int | None = None  # requests one URL runs at once (a routing hint); default: its /v1/models "slots"
 
 
 
@@ -130,6 +134,7 @@ class Endpoint:
     waiting: int = 0  # non-streamed calls waiting for their answer
     watch_from: float = 0.0  # when the waiting began (silence counts from it or the last byte)
     pinging: bool = False
+    slots: int = 0  # the requests it runs at once, from its /v1/models card (0: it does not say)
 
     def state_at(self, now: float, cooldown: float) -> BreakerState:
         if self.state == "open" and now - self.opened_at >= cooldown:
@@ -218,7 +223,8 @@ class Upstream:
             ids = [i for i, ep in enumerate(self.endpoints) if ep not in exclude and ep.usable(now, cd)]
             if ids:
                 loads = [self.endpoints[i].outstanding for i in ids]
-                best = self.endpoints[ids[self.policy.choose(ids, loads, key, self.cfg.slots)]]
+                slots = [self.cfg.slots or self.endpoints[i].slots for i in ids]
+                best = self.endpoints[ids[self.policy.choose(ids, loads, key, slots)]]
         if best is None:
             raise ServiceUnavailable(
                 f"upstream {self.cfg.name!r}: every URL is ejected (failing requests or health checks)",
@@ -331,6 +337,8 @@ class Upstream:
             card = self._pick_model(cards)
             ep.model_id = str(card["id"])
             ep.adapters = {str(m["id"]): str(m.get("root") or m["id"]) for m in cards if m.get("parent") == card["id"]}
+            slots = card.get("slots")  # npu-gateway nodes say it; vLLM's own server does not
+            ep.slots = slots if isinstance(slots, int) and slots > 0 else 0
             if self.cfg.max_model_len is None and isinstance(card.get("max_model_len"), int):
                 self.max_model_len = card["max_model_len"]
             if ep.apis is None and self.cfg.api is None:

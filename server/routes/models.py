@@ -22,6 +22,9 @@ def _card(name: str, m: ServedModel) -> dict[str, Any]:
         "id": name, "object": "model", "created": m.created, "owned_by": "npu-gateway",
         "root": m.root, "parent": m.parent, "max_model_len": m.pool.card.max_model_len,
     }
+    slots = sum(w.slots for w in getattr(m.pool, "workers", ()))
+    if slots:  # requests it runs at once (workers x --max-num-seqs); more wait in its queue
+        card["slots"] = slots
     if isinstance(m.pool, Router):  # an alias: its targets, weights and fallbacks
         card["targets"] = [{"model": t.name, "weight": t.effective} for t in m.pool.targets]
         card["fallbacks"] = list(m.pool.fallbacks)

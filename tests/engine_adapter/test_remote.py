@@ -37,6 +37,7 @@ class Node:
 
     def __init__(self, models: tuple[str, ...] = ("node-model",)) -> None:
         self.models = models
+        self.slots: int | None = None  # its cards' "slots", as an npu-gateway node says
         self.status = 200
         self.retry_after: str | None = None
         self.hang = False
@@ -77,7 +78,8 @@ class Node:
 
     async def list_models(self, request: web.Request) -> web.Response:
         await self._maybe_hang()
-        data = [{"id": m, "object": "model", "max_model_len": 2048} for m in self.models]
+        extra = {} if self.slots is None else {"slots": self.slots}
+        data = [{"id": m, "object": "model", "max_model_len": 2048, **extra} for m in self.models]
         return web.json_response({"object": "list", "data": data})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:

@@ -6,6 +6,7 @@ URL, and through a gateway tier in front of two recording nodes."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from engine_adapter.pool import WorkerPool
 from engine_adapter.routing.policy import (
     PolicyOptions,
     PrefixPolicy,
+    RouteKey,
     RoutingPolicy,
     SessionPolicy,
     make_policy,
@@ -136,26 +138,32 @@ def test_the_load_fallback_needs_both_thresholds() -> None:
 
 
 def test_a_match_on_a_full_engine_falls_back_while_another_has_room() -> None:
-    p = PrefixPolicy(block_tokens=16, min_block_tokens=16)  # thresholds 16 and 1.5: never reached here
     engines = [0, 1]
-    key = p.key_for_tokens(prompt(1), None)
-    assert p.choose(engines, [0, 1], key, slots=4) == 0  # engine 0 has the prefix now
-    assert p.choose(engines, [3, 0], key, slots=4) == 0  # a free slot left: the match wins
+
+    def homed() -> tuple[PrefixPolicy, RouteKey]:  # thresholds 16 and 1.5: never reached here
+        p = PrefixPolicy(block_tokens=16, min_block_tokens=16)
+        key = p.key_for_tokens(prompt(1), None)
+        assert p.choose(engines, [0, 1], key, slots=[4, 4]) == 0  # engine 0 has the prefix now
+        return p, key
+
+    p, key = homed()
+    assert p.choose(engines, [3, 0], key, slots=[4, 4]) == 0  # a free slot left: the match wins
     assert p.choose(engines, [4, 0], key) == 0  # slots unknown: only the thresholds count
+    assert p.choose(engines, [4, 3], key, slots=[0, 4]) == 0  # its own slots unknown: never full
+    assert p.choose(engines, [6, 4], key, slots=[4, 4]) == 0  # all full: it waits where its prefix is
     assert p.stats.decisions["load_fallback"] == 0
-    assert p.choose(engines, [4, 3], key, slots=4) == 1  # full, the other has room: least outstanding
+    assert p.choose(engines, [4, 3], key, slots=[4, 4]) == 1  # full, the other has room: least outstanding
     assert p.stats.decisions["load_fallback"] == 1
-    q = PrefixPolicy(block_tokens=16, min_block_tokens=16)
-    assert q.choose(engines, [0, 1], key, slots=4) == 0
-    assert q.choose(engines, [6, 4], key, slots=4) == 0  # all full: it waits where its prefix is
-    assert q.stats.decisions["load_fallback"] == 0
+    p, key = homed()
+    assert p.choose(engines, [4, 3], key, slots=[4, 0]) == 1  # the other's slots unknown: it has room
+    assert p.stats.decisions["load_fallback"] == 1
     # least-outstanding and session ignore slots
-    assert RoutingPolicy().choose(engines, [4, 3], None, slots=4) == 1
+    assert RoutingPolicy().choose(engines, [4, 3], None, slots=[4, 4]) == 1
     s = SessionPolicy()
-    home = s.choose(engines, [0, 0], s.key_for_tokens(prompt(1), "alice"), slots=4)
+    home = s.choose(engines, [0, 0], s.key_for_tokens(prompt(1), "alice"), slots=[4, 4])
     full = [4, 4]
     full[1 - home] = 0
-    assert s.choose(engines, full, s.key_for_tokens(prompt(1), "alice"), slots=4) == home
+    assert s.choose(engines, full, s.key_for_tokens(prompt(1), "alice"), slots=[4, 4]) == home
 
 
 def test_a_dead_engine_loses_its_entries() -> None:
@@ -305,6 +313,39 @@ async def test_upstream_slots_move_a_match_off_a_full_url() -> None:
     assert up.policy.stats.decisions["load_fallback"] == 1
     other.outstanding = 2
     assert up.pick(key=key) in (home, other)  # both full: both hold the prefix now
+
+
+@pytest.mark.asyncio
+async def test_a_tier_learns_each_nodes_slots_from_its_model_card() -> None:
+    a, b = await Node().start(), await Node().start()
+    a.slots = b.slots = 2  # what npu-gateway nodes say in /v1/models
+    try:
+        async with serve(None, tier(f"remote={a.url},{b.url}", routing_policy=["prefix"])) as (client, app):
+            up = app.state.gateway.pools[0].workers[0].engine.upstream
+            await wait_until(lambda: [ep.slots for ep in up.endpoints] == [2, 2], what="the nodes' cards read")
+            system = {"role": "system", "content": "You answer in French. " * 120}
+
+            def body(i: int) -> dict[str, Any]:
+                return {"model": "remote", "max_tokens": 5,
+                        "messages": [system, {"role": "user", "content": f"question {i}"}]}
+
+            assert (await client.post("/v1/chat/completions", json=body(0))).status_code == 200
+            home, other = (a, b) if a.calls else (b, a)
+            home.delay = 0.2  # two streams at once fill it
+            streams = [asyncio.create_task(client.post("/v1/chat/completions", json={**body(i), "stream": True}))
+                       for i in (1, 2)]
+            await wait_until(lambda: len(home.calls) == 3, what="two streams on the prefix's node")
+            r = await client.post("/v1/chat/completions", json=body(3))
+            assert r.status_code == 200, r.text
+            assert len(other.calls) == 1  # the full node's prefix was not followed
+            for t in streams:
+                assert (await t).status_code == 200
+            text = (await client.get("/metrics")).text
+            assert metric_value(text, "npugw_route_policy_decisions_total", model="remote", policy="prefix",
+                                reason="load_fallback") == 1
+    finally:
+        await a.stop()
+        await b.stop()
 
 
 # ---- through a gateway tier -----------------------------------------------

@@ -71,6 +71,7 @@ async def test_aliases_and_models_list(client: httpx.AsyncClient) -> None:
     by_id = {m["id"]: m for m in data}
     assert by_id["sim-alias"]["parent"] == "sim" and by_id["sim"]["parent"] is None
     assert by_id["sim"]["max_model_len"] == 256
+    assert by_id["sim"]["slots"] == 64  # one worker with 64 slots: what a tier in front reads
     r = await client.post("/v1/chat/completions", json={**CHAT, "model": "sim-alias"})
     assert r.json()["model"] == "sim-alias"
 
