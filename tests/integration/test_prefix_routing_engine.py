@@ -8,13 +8,18 @@ of equals). With the prefix policy each tenant's requests stay on its own
 engine, both engines' `vllm:prefix_cache_hits` rise with them, and the
 decisions are counted as prefix hits.
 
-A simulated-backend tier in front of two nodes is in
+Through a gateway tier: a gateway-only front (`--model none --upstream
+smol=URL,URL --routing-policy prefix`, no tokenizer: it keys the request's
+text) over two real nodes, this module's gateway and the session's real
+gateway. Each tenant's requests stay on one node and that node's
+`vllm:prefix_cache_hits` rise. A simulated-backend tier is in
 tests/engine_adapter/test_routing_policy.py; the real two-node comparison
 is bench/prefix_routing.py."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -146,3 +151,70 @@ async def test_a_full_engine_spills_to_the_other(gateway: GatewayProcess) -> Non
               - per_engine(before, "vllm:request_success_total")[e] for e in ("0", "1")}
     assert min(served.values()) >= 1 and sum(served.values()) == 7, served
     assert decisions(after, "prefix_hit") - decisions(before, "prefix_hit") >= 4
+
+
+def node_total(text: str, name: str) -> float:
+    return metric_value(text, name, model_name=EMBEDDED)  # over a node's engines
+
+
+@pytest.mark.asyncio
+async def test_a_tier_keeps_each_tenant_on_its_node(
+    gateway: GatewayProcess, real_gateway: GatewayProcess, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    nodes = [gateway, real_gateway]  # URL 0 and URL 1 of the upstream
+    front = GatewayProcess(["--model", "none", "--upstream", f"smol={gateway.url},{real_gateway.url};model={EMBEDDED}",
+                            "--routing-policy", "prefix"], tmp_path_factory.mktemp("prefix-tier") / "front.log")
+    try:
+        front.wait_ready(60)
+        async with httpx.AsyncClient(timeout=300) as c:
+            async def scrape() -> list[str]:
+                return [(await c.get(n.url + "/metrics")).text for n in nodes]
+
+            async def finished(base: list[str], n: int) -> list[str]:
+                want = sum(node_total(t, "vllm:request_success_total") for t in base) + n
+                deadline = time.monotonic() + 60
+                while True:
+                    texts = await scrape()
+                    if sum(node_total(t, "vllm:request_success_total") for t in texts) >= want:
+                        return texts
+                    assert time.monotonic() < deadline, "the nodes' engines did not count the requests"
+                    await asyncio.sleep(0.05)
+
+            def tier_body(tenant: str, turn: str, max_tokens: int, stream: bool = False) -> dict[str, Any]:
+                return {**body(tenant, turn, max_tokens, stream), "model": "smol"}
+
+            start = await scrape()
+            # D's stream holds node 0 while E arrives: E goes to node 1
+            async with c.stream("POST", front.url + "/v1/chat/completions",
+                                json=tier_body("tenant D", "Hello.", 24, True)) as d:
+                assert d.status_code == 200
+                lines = d.aiter_lines()
+                while not (await anext(lines)).startswith("data: {"):
+                    pass
+                r = await c.post(front.url + "/v1/chat/completions", json=tier_body("tenant E", "Hello.", 4))
+                assert r.status_code == 200, r.text
+                async for _ in lines:
+                    pass
+            placed = await finished(start, 2)
+            turns = ["What is 2 + 2?", "Name a colour.", "Say yes.", "Count to three."]
+            for i, turn in enumerate(turns):
+                r = await c.post(front.url + "/v1/chat/completions",
+                                 json=tier_body("tenant D" if i % 2 == 0 else "tenant E", turn, 4))
+                assert r.status_code == 200, r.text
+                assert r.json()["model"] == "smol"
+            after = await finished(placed, len(turns))
+            decided = (await c.get(front.url + "/metrics")).text
+    finally:
+        front.stop()
+
+    def delta(name: str, a: list[str], b: list[str]) -> list[float]:
+        return [node_total(y, name) - node_total(x, name) for x, y in zip(a, b, strict=True)]
+
+    assert delta("vllm:request_success_total", start, after) == [3, 3]  # least outstanding: [5, 1]
+    hits = delta("vllm:prefix_cache_hits_total", placed, after)
+    for node_hits in hits:  # each node served its tenant's system prompt from its cache, twice
+        assert node_hits >= 2 * 256, hits
+    assert metric_value(decided, "npugw_route_policy_decisions_total", model="smol", policy="prefix",
+                        reason="prefix_hit") == len(turns)
+    assert metric_value(decided, "npugw_route_policy_decisions_total", model="smol", policy="prefix",
+                        reason="no_match") == 2
