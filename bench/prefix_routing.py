@@ -10,8 +10,8 @@ Topologies:
   runs --max-num-seqs 8 at once), one per policy: the
   policy is switched by switching fronts, the engines stay up. The fronts
   key the prompt by bytes of the request's JSON.
-- `local`: two gateways with `--num-workers 2` each (one per policy; the
-  engines of a pool share the gateway's CPU binding, every core), the one
+- `local`: two gateways with `--num-workers 2` each (one per policy; each
+  engine of a pool on its own core, `--worker-cpu-bind auto`), the one
   not measured SIGSTOPped. Keys from token ids.
 
 Each run starts cold for both policies: every run's tenants and prompts

@@ -80,6 +80,43 @@ def cpu_binds(settings: Settings, cores: list[int] | None = None) -> tuple[str |
     return None, cpu_list(own)
 
 
+def worker_binds(settings: Settings, gen_bind: str | None, cores: list[int] | None = None) -> tuple[str, ...]:
+    """Each generation worker's own OpenMP cores on a CPU device, by worker
+    index: the generators' cores (`gen_bind`, else every core) cut into
+    `--num-workers` contiguous shares. Two engines on the same cores run
+    twice the OpenMP threads the cores have, and their spinning threads
+    take turns. Empty (every worker on every core) for one worker, fewer
+    cores than workers, `--worker-cpu-bind shared`, or a
+    VLLM_CPU_OMP_THREADS_BIND the user set."""
+    s, n = settings, settings.num_workers
+    if n < 2 or s.worker_cpu_bind == "shared" or device_for(s) != "cpu" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return ()
+    if gen_bind is not None:
+        cores = parse_cpu_list(gen_bind)
+    elif cores is None:
+        cores = cpu_cores()
+    cores = sorted(cores)
+    if len(cores) < n:
+        logger.warning("--num-workers %d on %d cores: every worker's OpenMP threads on all of them", n, len(cores))
+        return ()
+    q, r = divmod(len(cores), n)
+    shares, at = [], 0
+    for i in range(n):
+        size = q + (1 if i < r else 0)
+        shares.append(cpu_list(cores[at:at + size]))
+        at += size
+    return tuple(shares)
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,6' -> [0, 1, 2, 3, 6] (VLLM_CPU_OMP_THREADS_BIND syntax)."""
+    cores: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cores.extend(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
 def embedding_env(bind: str | None, busy_loop: float | None) -> tuple[tuple[str, str], ...]:
     """The embedding engine's process environment: its OpenMP cores, and the
     spin of its shared-memory queue readers (engine_adapter/backends/vllm_plugin.py)."""
@@ -148,6 +185,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         profile_dir=str(s.profile_dir.resolve()) if s.profile_dir else None,
         extra=dict(s.engine_args),
         process_env=(("VLLM_CPU_OMP_THREADS_BIND", gen_bind),) if gen_bind else (),
+        worker_cpu_binds=worker_binds(s, gen_bind),
     )
     specs = [ModelSpec(names=names, backend="vllm", vllm=engine, root=str(path), **common)]  # type: ignore[arg-type]
     for extra_names, extra in s.extra_models():

@@ -59,6 +59,12 @@ class Settings(BaseSettings):
         "core; with 16 or more cores that core is left out of the generators' set), 'shared' (the "
         "generators' cores and thread count), or a list such as '7' or '6-7'",
     )
+    worker_cpu_bind: Literal["auto", "shared"] = Field(
+        "auto",
+        description="(CPU, --num-workers N) cores of each generation engine's OpenMP threads: 'auto' (each "
+        "worker its own share of the generators' cores, when there are at least N and "
+        "VLLM_CPU_OMP_THREADS_BIND is not set), 'shared' (every worker on all of them)",
+    )
     embedding_busy_loop: float | None = Field(
         None, ge=0.0,
         description="seconds the embedding engine's worker spins for its next step after its last one (vLLM's "

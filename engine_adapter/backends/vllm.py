@@ -31,7 +31,7 @@ from engine_adapter.types import (
 if TYPE_CHECKING:
     from engine_adapter.metrics import EngineMetrics
 
-from engine_adapter.backends.vllm_config import VllmConfig, make_engine_args
+from engine_adapter.backends.vllm_config import CPU_BIND_ENV, VllmConfig, make_engine_args
 from engine_adapter.backends.vllm_env import configure_process_env, engine_process_env
 
 logger = logging.getLogger(__name__)
@@ -232,7 +232,9 @@ class VllmEngine:
         logger.info("starting vLLM engine %d: %s", self.index, kwargs)
         args = make_engine_args(kwargs)
         factory = make_stat_logger_factory(self, self._metrics)
-        env = self.config.process_env
+        env = self.config.env_for(self.index)
+        if self.config.worker_cpu_binds:
+            logger.info("engine %d: OpenMP threads on cores %s", self.index, dict(env)[CPU_BIND_ENV])
 
         handover = threading.Lock()
         abandoned = False

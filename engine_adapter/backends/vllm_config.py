@@ -15,6 +15,8 @@ from typing import Any
 
 from engine_adapter.types import ModelCard
 
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's CPU OpenMP cores of one engine
+
 logger = logging.getLogger(__name__)
 
 
@@ -55,6 +57,16 @@ class VllmConfig:
     # Environment for this engine's processes only (e.g. its CPU thread
     # binding), set while they start; not an engine argument.
     process_env: tuple[tuple[str, str], ...] = ()
+    # (CPU) each worker's own VLLM_CPU_OMP_THREADS_BIND, by worker index
+    # (a pool's engines on disjoint cores); empty: process_env's, for all.
+    worker_cpu_binds: tuple[str, ...] = ()
+
+    def env_for(self, index: int) -> tuple[tuple[str, str], ...]:
+        """The process environment of worker `index`'s engine."""
+        if not self.worker_cpu_binds:
+            return self.process_env
+        bind = self.worker_cpu_binds[index % len(self.worker_cpu_binds)]
+        return (*((k, v) for k, v in self.process_env if k != CPU_BIND_ENV), (CPU_BIND_ENV, bind))
 
     def engine_kwargs(self, device: str, index: int = 0) -> dict[str, Any]:
         """The AsyncEngineArgs keyword arguments; None means vLLM's default."""
@@ -134,7 +146,7 @@ def cpu_generation_dtype(machine: str | None = None, flags: frozenset[str] | Non
 
 
 # VllmConfig fields that are not engine arguments.
-_NOT_ENGINE_ARGS = frozenset({"profile_dir", "profile_frontend", "extra", "process_env"})
+_NOT_ENGINE_ARGS = frozenset({"profile_dir", "profile_frontend", "extra", "process_env", "worker_cpu_binds"})
 # Engine arguments the gateway derives itself, and the setting that decides them.
 _DERIVED_ENGINE_ARGS = {
     "tokenizer": "--model (the tokenizer is the model folder's)",
