@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import uvicorn
+from uvicorn.server import HANDLED_SIGNALS
 
 from server.settings import Settings
 from server.settings_cli import add_settings_arguments, settings_from_args
@@ -45,6 +48,29 @@ class GatewayServer(uvicorn.Server):
         await super().startup(sockets)  # type: ignore[arg-type]
         if self.started and self.on_started is not None:
             self.on_started()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, except in a --workers process that drained: there the
+        signals are ignored from the end of the drain until it exits, and
+        none is re-raised. A process-group SIGTERM reaches such a process
+        twice (directly and forwarded by the supervisor); a copy that came
+        late, or after uvicorn restored the default handlers, killed a
+        process that had finished every stream (exit -15: the supervisor
+        then exited 1)."""
+        if not self.same_signal_window:
+            with super().capture_signals():
+                yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, signal.SIG_IGN if self._draining else handler)
+        if not self._draining:
+            for captured in reversed(self._captured_signals):
+                signal.raise_signal(captured)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining and time.monotonic() - self._drain_since < self.same_signal_window:
