@@ -55,3 +55,10 @@ def test_the_settings_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) -
     one = model_specs(settings(embedding_model="none"))[0].vllm
     assert one is not None and one.worker_cpu_binds == ()
     assert parse_cpu_list("0-3,6") == [0, 1, 2, 3, 6]
+
+
+def test_the_front_end_is_profiled_off_cpu_only() -> None:
+    cfg = VllmConfig(model="m", served_model_name="m", profile_dir="/tmp/p")
+    assert cfg.engine_kwargs("cpu", 0)["profiler_config"]["ignore_frontend"] is True
+    assert cfg.engine_kwargs("npu", 0)["profiler_config"]["ignore_frontend"] is False
+    assert cfg.engine_kwargs("npu", 1)["profiler_config"]["ignore_frontend"] is True  # engine 0's only
