@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from engine_adapter.backends.simulated import SimulatedConfig
-from engine_adapter.backends.vllm_config import VllmConfig
+from engine_adapter.backends.vllm_config import CPU_BIND_ENV, VllmConfig
 from engine_adapter.backends.vllm_env import cpu_cores, cpu_list
 from engine_adapter.backends.vllm_plugin import BUSY_LOOP_ENV
 from engine_adapter.devices import detect_device
@@ -89,7 +89,7 @@ def worker_binds(settings: Settings, gen_bind: str | None, cores: list[int] | No
     cores than workers, `--worker-cpu-bind shared`, or a
     VLLM_CPU_OMP_THREADS_BIND the user set."""
     s, n = settings, settings.num_workers
-    if n < 2 or s.worker_cpu_bind == "shared" or device_for(s) != "cpu" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    if n < 2 or s.worker_cpu_bind == "shared" or device_for(s) != "cpu" or CPU_BIND_ENV in os.environ:
         return ()
     if gen_bind is not None:
         cores = parse_cpu_list(gen_bind)
