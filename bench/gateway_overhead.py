@@ -4,6 +4,9 @@ gateway's `remote` backend vs LiteLLM proxy (1 worker) vs vllm-router (Rust).
     .venv/bin/python bench/gateway_overhead.py                 # 2 rounds, all targets
     .venv/bin/python bench/gateway_overhead.py --targets direct ours --rounds 3
 
+`--targets ... py-floor` adds bench/py_floor_proxy.py: uvicorn + aiohttp and
+nothing else, the floor of any gateway built on that stack.
+
 Upstream: bench/fake_upstream.py (non-stream answer; streams of `--chunks`
 SSE chunks, no delay). Load, the same for every target:
 - non-stream: `wrk` (bench/wrk_post.lua), c=1 for latency, c=64 for req/s;
@@ -109,6 +112,9 @@ def make_target(kind: str, port: int, upstream: str, tmp: Path, args: argparse.N
             *(["--workers", "2"] if kind == "ours-2proc" else []),
         ]
         return Server(f"overhead-{kind}", argv, f"http://127.0.0.1:{port}/health", env=env, cwd=cwd, ready_timeout=60)
+    if kind == "py-floor":
+        argv = [str(MAIN_PY), str(BENCH / "py_floor_proxy.py"), "--port", str(port), "--upstream", upstream]
+        return Server("overhead-py-floor", argv, f"http://127.0.0.1:{port}/health", ready_timeout=30)
     if kind == "litellm":
         cfg = tmp / "litellm.yaml"
         cfg.write_text(
@@ -266,8 +272,9 @@ def main() -> None:
         "--targets",
         nargs="+",
         default=["direct", "ours", "litellm", "vllm-router"],
-        choices=["direct", "ours", "ours-2proc", "litellm", "vllm-router"],
-        help="ours-2proc: ours with --workers 2 (two gateway processes on one port; labelled, not the default)",
+        choices=["direct", "ours", "ours-2proc", "py-floor", "litellm", "vllm-router"],
+        help="ours-2proc: ours with --workers 2 (two gateway processes on one port; labelled, not the default); "
+        "py-floor: bench/py_floor_proxy.py, uvicorn + aiohttp with no gateway features (the stack's floor)",
     )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--chunks", type=int, default=64)

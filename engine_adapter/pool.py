@@ -79,6 +79,8 @@ class WorkerPool(Supervision):
             Worker(index=i, engine=factory(i), slots=slots_per_worker)
             for i in range(num_workers)
         ]
+        # a restart builds the same kind of engine (read on every request: summed up once)
+        self._relays = any(getattr(w.engine, "relays", False) for w in self.workers)
         self.max_queue_size = max_queue_size
         self.max_queue_wait = max_queue_wait
         self.readiness_interval = readiness_interval
@@ -254,7 +256,7 @@ class WorkerPool(Supervision):
     @property
     def relays(self) -> bool:
         """Upstream nodes, reached by pass-through (no local tokenizer)."""
-        return any(getattr(w.engine, "relays", False) for w in self.workers)
+        return self._relays
 
     async def acquire(
         self, ask: Ask | Sequence[GenerationRequest], session: str | None = None, model: str | None = None

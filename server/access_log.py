@@ -128,7 +128,10 @@ class AccessLog:
         return " ".join(f"{k}={_text(v)}" for k, v in rec.items())
 
     def write(self, rec: dict[str, Any]) -> None:
-        self.logger.info(self.line(rec))
+        # as logger.info(line), without looking up the caller's frame (once per request)
+        logger = self.logger
+        if logger.isEnabledFor(logging.INFO):
+            logger.handle(logging.LogRecord(logger.name, logging.INFO, __file__, 0, self.line(rec), None, None))
 
 
 def build_record(

@@ -21,6 +21,7 @@ from server.access_log import AccessLog, parse_proxies
 from server.auth import KeyStore
 from server.console import setup_console
 from server.errors import install_error_handlers
+from server.fast_relay import FastRelay
 from server.limits import Limits
 from server.metrics import GatewayMetrics, LoopCollector, PoolCollector
 from server.metrics_multiproc import AppRegistry, LiveExport, multiprocess_registry
@@ -165,6 +166,7 @@ def create_app(
     app.add_middleware(
         GatewayMiddleware, metrics=gw_metrics, max_body=settings.max_request_body_bytes,
         access_log=access_log, tracing=tracing, sinks=record_sinks, proxies=parse_proxies(settings.trusted_proxies),
+        fast=FastRelay(),
     )
     return app
 

@@ -37,6 +37,7 @@ class RouteAsk:
         max_tokens: int | None,
         n: int = 1,
         forward: tuple[tuple[str, str], ...] = (),
+        body: dict[str, Any] | None = None,
     ) -> None:
         self.raw = raw
         self.forward = forward
@@ -49,7 +50,7 @@ class RouteAsk:
         self.max_tokens = max_tokens
         self.n = n
         self._built: dict[int, list[GenerationRequest]] = {}
-        self._body: dict[str, Any] | None = None
+        self._body = body  # `raw` parsed (by the caller, or on first use)
 
     def build(self, pool: Any) -> list[GenerationRequest]:
         raise NotImplementedError

@@ -172,7 +172,9 @@ def load_keys_file(path: Path) -> list[KeyEntry]:
 
 class KeyStore:
     def __init__(self, entries: list[KeyEntry], metrics_key: str | None = None) -> None:
-        self.entries = entries
+        self.entries = entries  # fixed from here on: read on every request, so summed up once
+        self._open = not any(e.name != "admin" or not e.admin for e in entries)
+        self._has_admin = any(e.admin for e in entries)
         self._metrics_digest = sha256_hex(metrics_key) if metrics_key else None
 
     @classmethod
@@ -191,11 +193,11 @@ class KeyStore:
     def open(self) -> bool:
         """No client keys: the API routes are open (an admin key alone still
         guards the admin routes)."""
-        return not any(e.name != "admin" or not e.admin for e in self.entries)
+        return self._open
 
     @property
     def has_admin_key(self) -> bool:
-        return any(e.admin for e in self.entries)
+        return self._has_admin
 
     def lookup(self, key: str) -> KeyEntry | None:
         digest = sha256_hex(key)

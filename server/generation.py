@@ -61,9 +61,11 @@ def forwarded(request: Request) -> tuple[tuple[str, str], ...]:
 def session_of(request: Request, user: str | None) -> str | None:
     """The key that keeps a conversation on one target: `X-Session-ID`, else
     the request's `user`."""
-    header = request.headers.get("x-session-id")
-    if header:
-        return header[:256]
+    name: bytes
+    value: bytes
+    for name, value in request.scope["headers"]:  # ASGI names are lower case
+        if name == b"x-session-id" and value:
+            return value.decode("latin-1")[:256]
     return user or None
 
 
@@ -332,7 +334,12 @@ async def until_disconnect(
 ) -> T:
     """Await `work`, cancelling it (so an engine request is aborted, or a
     queue wait given up) if the client disconnects first. `discard` undoes a
-    result that came too late to be used."""
+    result that came too late to be used. A request under a `Watch`
+    (server/fast_relay.py: its task is cancelled when the client leaves)
+    needs no watcher here."""
+    request_watch = request.scope.get("state", {}).get("watch")
+    if request_watch is not None and request_watch.armed:
+        return await work
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:

@@ -34,6 +34,7 @@ from server.errors import error_headers, shape_for
 from server.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
+    from server.fast_relay import FastRelay
     from server.tracing import Tracing
 
 logger = logging.getLogger(__name__)
@@ -51,8 +52,10 @@ class GatewayMiddleware:
         tracing: Tracing | None = None,
         sinks: list[RecordSink] | None = None,
         proxies: tuple[Network, ...] = (),
+        fast: FastRelay | None = None,
     ) -> None:
         self.app = app
+        self.fast = fast
         self.metrics = metrics
         self.max_body = max_body
         self.access_log = access_log
@@ -107,7 +110,11 @@ class GatewayMiddleware:
             if err is not None:
                 await _send_error(send_wrapper, err, scope["path"])
                 return
-            await self.app(scope, receive_wrapper, send_wrapper)
+            receive_app: Receive | None = receive_wrapper
+            if self.fast is not None:  # the gateway tier's pass-through requests (server/fast_relay.py)
+                receive_app = await self.fast(scope, receive_wrapper, send_wrapper)
+            if receive_app is not None:
+                await self.app(scope, receive_app, send_wrapper)
         except asyncio.CancelledError:
             if "t_response" not in state:
                 status = 499  # the client left before the status line (as nginx logs it)

@@ -48,6 +48,7 @@ class Gateway:
                     id=name, pool=pool, root=root, parent=None if i == 0 else primary
                 )
         self.base_models = dict(self.models)  # the real models, without routing
+        self.relays = self._any_relays()
         self.routing: RoutingTable | None = None
         self.draining = False
         self.started_at = time.time()
@@ -102,6 +103,12 @@ class Gateway:
                 created=base.created if base else router.created,
             )
         self.models = models
+        self.relays = self._any_relays()
+
+    def _any_relays(self) -> bool:
+        """Whether some served name is passed through to upstream nodes (the
+        short path of server/fast_relay.py looks at requests only then)."""
+        return any(m.pool.relays for m in self.models.values())
 
     async def wait_idle(self, timeout: float) -> None:
         """Until no request runs in any pool, or `timeout` seconds."""

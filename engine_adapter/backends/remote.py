@@ -172,26 +172,21 @@ class RemoteEngine:
         plain calls wait on it)."""
         up, where = self.upstream, f"{self.upstream.cfg.name!r} ({ep.url})"
         headers = {"Content-Type": "application/json", "X-Request-Id": call.request_id, **dict(call.headers)}
-        post = asyncio.ensure_future(self._post(ep, ep.url + call.path, payload, headers, plain))
         if plain:
             if not ep.waiting:
                 ep.watch_from = time.monotonic()
             ep.waiting += 1
+        # The POST runs in this task; an ejection of `ep` meanwhile cancels it
+        # (one callback instead of a task and a wait per request).
+        eject = _Ejection(ep.ejected)
         try:
-            done, _ = await asyncio.wait((post, ep.ejected), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            post.cancel()
-            raise
-        finally:
-            if plain:
-                ep.waiting -= 1
-        if post not in done:
-            post.cancel()
-            await asyncio.gather(post, return_exceptions=True)  # aiohttp closes its connection
+            resp, body = await self._post(ep, ep.url + call.path, payload, headers, plain)
+        except asyncio.CancelledError:
+            if not eject.hit or eject.task.uncancel() > 0:
+                raise  # cancelled from outside (the client left)
+            # aiohttp closed its connection on the cancel
             msg = f"upstream {where} was ejected while this request waited for it ({ep.last_error})"
-            raise ServiceUnavailable(msg, code=ep.ejected.result(), retry_after=1)
-        try:
-            resp, body = post.result()
+            raise ServiceUnavailable(msg, code=ep.ejected.result(), retry_after=1) from None
         except TIMEOUTS:
             up.failed(ep, "timeout")
             msg = f"upstream {where} did not answer within {up.cfg.read_timeout:g}s"
@@ -200,6 +195,10 @@ class RemoteEngine:
             up.failed(ep, type(e).__name__)
             msg = f"upstream {where} is unreachable or closed the connection: {e}"
             raise ServiceUnavailable(msg, code="upstream_unreachable", retry_after=1) from None
+        finally:
+            eject.off()
+            if plain:
+                ep.waiting -= 1
         if resp.status == 200:
             return resp, body
         try:
@@ -375,6 +374,31 @@ class Opened:
             self.resp.close()  # no-op once released; else the node sees a disconnect
 
 
+class _Ejection:
+    """While on: the ejection of the URL (`ejected`, a future) cancels the
+    current task, once. `hit` says that it did."""
+
+    __slots__ = ("ejected", "hit", "on", "task")
+
+    def __init__(self, ejected: asyncio.Future[str]) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.ejected = ejected
+        self.on = True
+        self.hit = False
+        ejected.add_done_callback(self._fire)
+
+    def _fire(self, _: asyncio.Future[str]) -> None:
+        if self.on:  # else the POST had finished (the callback was already scheduled)
+            self.hit = True
+            self.task.cancel("upstream ejected")
+
+    def off(self) -> None:
+        self.on = False
+        self.ejected.remove_done_callback(self._fire)
+
+
 class _Rewrite:
     """`"model":"<node id>"` -> `"model":"<name the client used>"`, bytes in,
     bytes out (both JSON spellings: with and without a space)."""
@@ -395,23 +419,30 @@ class _Rewrite:
 
 
 def _take_usage(events: bytes, keep: bool, usage: RelayUsage | None) -> tuple[bytes, RelayUsage | None]:
-    """Read the usage out of the complete events in `events`; drop the
-    usage-only event unless the client asked for it."""
-    kept: list[bytes] = []
-    for event in events.split(b"\n\n"):
-        if not event:
-            continue
-        if b'"usage"' in event and event.startswith(b"data:"):
-            try:
-                obj = orjson.loads(event[5:])
-            except ValueError:
-                obj = None
-            if isinstance(obj, dict):
-                usage = RelayUsage.from_dict(obj.get("usage")) or usage
-                if not keep and not obj.get("choices"):
-                    continue
-        kept.append(event + b"\n\n")
-    return b"".join(kept), usage
+    """Read the usage out of the last event in `events` (complete events)
+    that carries one (usage is cumulative); drop that event if it is the
+    usage-only one and the client did not ask for it. Only that event is
+    parsed, however many came in the read."""
+    at = max(events.rfind(b'"usage":{'), events.rfind(b'"usage": {'))
+    if at < 0:
+        return events, usage
+    cut = events.rfind(b"\n\n", 0, at)
+    start = cut + 2 if cut >= 0 else 0
+    end = events.find(b"\n\n", at)
+    end = len(events) if end < 0 else end + 2
+    event = events[start:end]
+    if not event.startswith(b"data:"):
+        return events, usage
+    try:
+        obj = orjson.loads(event[5:])
+    except ValueError:
+        return events, usage
+    if not isinstance(obj, dict):
+        return events, usage
+    usage = RelayUsage.from_dict(obj.get("usage")) or usage
+    if not keep and not obj.get("choices"):
+        events = events[:start] + events[end:]
+    return events, usage
 
 
 def _broken(msg: str, sent: bool, code: str) -> EngineError | ServiceUnavailable:

@@ -10,6 +10,7 @@ ejected while requests wait on it, a client that disconnects."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,7 @@ from sim_app import serve
 from support import free_port, metric_value, wait_until
 
 from engine_adapter.backends.aggregate import aggregate
+from server.access_log import ACCESS_LOGGER
 from server.settings import Settings
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
@@ -350,6 +352,64 @@ async def test_embeddings_pass_through(node: Node) -> None:
         assert r.status_code == 200 and r.json()["model"] == "remote" and r.json()["data"][0]["embedding"]
         path, got, _ = node.calls[-1]
         assert path == "/v1/embeddings" and got == {"model": "node-model", "input": "abc", "dimensions": 2}
+
+
+@pytest.mark.asyncio
+async def test_the_short_path_takes_well_typed_bodies_and_the_full_path_the_rest(node: Node) -> None:
+    """server/fast_relay.py: a body whose own fields (stream, n, priority,
+    token limits, user) are malformed goes the full path and gets the
+    gateway's validation error, never reaching the node; a well-typed body is
+    passed through and its other fields are the node's to judge (its 400 is
+    relayed). Either way the route's metrics and access-log fields are kept."""
+    async with serve(None, tier(f"remote={node.url}", access_log_format="json")) as (client, _):
+        msgs = [{"role": "user", "content": "hi"}]
+        for bad in ({"stream": "maybe"}, {"n": 0}, {"priority": 1.5}, {"max_tokens": -1}, {"user": 7},
+                    {"stream": True, "stream_options": {"include_usage": "perhaps"}}):
+            r = await client.post("/v1/chat/completions", json={"model": "remote", "messages": msgs, **bad})
+            assert r.status_code in (400, 422) and r.json()["error"]["type"] == "invalid_request_error", bad
+        assert node.calls == []
+        node.status = 400  # a field only the node checks
+        r = await client.post("/v1/chat/completions", json={"model": "remote", "messages": msgs, "temperature": 9})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "node says 400"
+        assert node.calls[-1][1]["temperature"] == 9
+        node.status = 200
+        r = await client.post("/v1/completions", content=orjson.dumps({"model": "remote", "prompt": "x" * 200_000}),
+                              headers={"Content-Type": "application/json"})  # a body of several reads
+        assert r.status_code == 200 and len(node.calls[-1][1]["prompt"]) == 200_000
+        r = await client.post("/v1/chat/completions", json={"model": "nope", "messages": msgs})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        r = await client.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+        assert r.status_code in (400, 422)
+        metrics = (await client.get("/metrics")).text
+        ok = metric_value(metrics, "npugw_http_requests_total", route="/v1/chat/completions", status="400")
+        assert ok >= 1  # the node's 400, counted under the route as on the full path
+        assert metric_value(metrics, "npugw_http_requests_total", route="/v1/completions", status="200") == 1
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_leaves_before_the_first_byte_is_logged_499_and_aborts_the_node(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    watched = [logging.getLogger(name) for name in ("uvicorn.error", ACCESS_LOGGER)]  # they do not propagate
+    try:
+        async with serve(None, tier(f"remote={node.url};health_interval=30", access_log_format="json")) as (
+            client, app
+        ):
+            for lg in watched:  # once uvicorn has set up its loggers
+                lg.addHandler(caplog.handler)
+            node.hang = True  # after the start-up checks
+            body = {"model": "remote", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            held = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+            await wait_until(lambda: len(node.calls) == 1, what="the request to reach the node")
+            held.cancel()  # the client closes its connection
+            await asyncio.gather(held, return_exceptions=True)
+            pool = app.state.gateway.pools[0]
+            await wait_until(lambda: pool.workers[0].in_flight == 0, what="the slot to come back")
+            await wait_until(lambda: '"status":499' in caplog.text, what="the access log line")
+    finally:
+        for lg in watched:
+            lg.removeHandler(caplog.handler)
+    assert "Exception in ASGI application" not in caplog.text
 
 
 def test_aggregate_joins_chat_and_text_chunks() -> None:

@@ -1,0 +1,288 @@
+"""The short path of the gateway tier: chat completions, completions and
+embeddings for a model served by upstream nodes, answered without FastAPI's
+routing, body model and dependency injection.
+
+A passed-through request needs only what the gateway owns from its body:
+`model`, `stream`, `stream_options.include_usage`, `priority`, the token
+limits (the key's per-minute budget) and `user` (the session key). The node
+validates the rest, as it would without a gateway in front. Everything else
+is the full path's: authentication, the key's model list and limits,
+admission (`server/generation.py admit`), the relay (`server/relay.py`), the
+error shapes; the middleware around it keeps the request id, the metrics,
+the access log and the trace.
+
+A request is taken here only when its body is a JSON object whose `model`
+names a pool of upstream nodes (not an alias or a name with fallbacks) and
+whose own fields above have their plain JSON types; any other request goes
+the full path with its body replayed, so that every malformed one gets the
+full path's answer (its 400/422 and message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.types import Message, Receive, Scope, Send
+
+from engine_adapter.errors import EngineError, GatewayError
+from engine_adapter.lease import Relayed
+from engine_adapter.types import RelayCall, RelayUsage
+from server import sse
+from server.ask import RouteAsk
+from server.auth import authenticate
+from server.errors import shape_for
+from server.generation import Generation, admit, forwarded, note_outcome, openai_stream_error, session_of
+from server.state import Gateway, ServedModel
+from server.validation import deadline_after, new_id
+
+logger = logging.getLogger(__name__)
+
+# path -> request id prefix, and whether the endpoint generates (streams, token limits)
+PATHS: dict[str, tuple[str, bool]] = {
+    "/v1/chat/completions": ("chatcmpl", True),
+    "/v1/completions": ("cmpl", True),
+    "/v1/embeddings": ("embd", False),
+}
+_OPTIONAL_INT = ("max_tokens", "max_completion_tokens", "n")
+
+
+class _Take:
+    """What the short path reads from a body it takes."""
+
+    __slots__ = ("body", "max_tokens", "model", "n", "priority", "stream", "user", "want_usage")
+
+    def __init__(self, model: ServedModel, body: dict[str, Any]) -> None:
+        self.model = model
+        self.body = body
+        self.stream = False
+        self.want_usage = False
+        self.max_tokens: int | None = None
+        self.n = 1
+        self.priority: int | None = None  # None: not sent (the key's default applies)
+        self.user: str | None = None
+
+
+def plan(gw: Gateway, raw: bytes, path: str, generates: bool) -> _Take | None:
+    """The request's fields if the short path can take it, else None."""
+    try:
+        body = orjson.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    name = body.get("model")
+    model = gw.models.get(name) if isinstance(name, str) else None
+    if model is None or model.routed or not model.pool.relays:
+        return None
+    take = _Take(model, body)
+    for field in _OPTIONAL_INT:
+        v = body.get(field)
+        if v is not None and (type(v) is not int or v < 1):
+            return None
+    priority = body.get("priority")
+    if priority is not None:
+        if type(priority) is not int:
+            return None
+        take.priority = priority
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        return None
+    take.user = user
+    if not generates:
+        return take
+    stream, options = body.get("stream", False), body.get("stream_options")
+    if type(stream) is not bool:
+        return None
+    if options is not None:
+        usage = options.get("include_usage") if isinstance(options, dict) else None
+        if not isinstance(options, dict) or not (usage is None or type(usage) is bool):
+            return None
+        take.want_usage = bool(usage)
+    take.stream = stream
+    n = body.get("n")
+    take.n = n if n is not None else 1
+    if path == "/v1/chat/completions":
+        take.max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    else:
+        take.max_tokens = body.get("max_tokens", 16)  # the completions API's default
+    return take
+
+
+class Watch:
+    """Cancels the task serving a request when its client disconnects.
+    Armed from the start of the request to its last byte; `until_disconnect`
+    (server/generation.py) then needs no watcher of its own."""
+
+    __slots__ = ("armed", "gone", "task", "watcher")
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.armed = True
+        self.gone = False
+        self.watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if self.armed:  # else the answer was complete (uvicorn reports that as a disconnect too)
+            self.gone = True
+            self.task.cancel("client disconnected")
+
+    def stop(self) -> None:
+        self.armed = False
+        self.watcher.cancel()
+
+
+class _Route:
+    """What the middleware's metrics read from `scope["route"]`."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+
+_ROUTES = {path: _Route(path) for path in PATHS}
+_JSON = (b"content-type", b"application/json")
+_SSE = [(b"content-type", b"text/event-stream; charset=utf-8")] + [
+    (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in sse.SSE_HEADERS.items()
+]
+
+
+class FastRelay:
+    """Called by the middleware for every request: None when it answered
+    the request, else the `receive` the full app runs with (the body it read
+    is replayed)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
+        path = scope["path"]
+        spec = PATHS.get(path)
+        if spec is None or scope["method"] != "POST":
+            return receive
+        app = scope.get("app")
+        gw: Gateway | None = getattr(app.state, "gateway", None) if app is not None else None
+        if gw is None or not gw.relays:
+            return receive
+        read: list[Message] = []
+        chunks: list[bytes] = []
+        try:
+            while True:
+                message = await receive()
+                read.append(message)
+                if message["type"] != "http.request":
+                    return _replay(read, receive)
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+        except GatewayError as e:  # over the body limit
+            await shape_for(path).response(e)(scope, receive, send)
+            return None
+        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        take = plan(gw, raw, path, spec[1])
+        if take is None:
+            return _replay(read, receive)
+        scope["route"] = _ROUTES[path]
+        state = scope.setdefault("state", {})
+        watch = state["watch"] = Watch(receive)
+        try:
+            await _serve(Request(scope, receive), gw, take, raw, spec[0], send)
+        except GatewayError as e:  # before the status line: the error is the answer
+            await shape_for(path).response(e)(scope, receive, send)
+        except asyncio.CancelledError:
+            if not watch.gone or watch.task.uncancel() > 0:
+                raise
+            note_outcome(state, "cancelled")  # the client left: nothing to answer
+        except Exception:
+            logger.exception("request %s failed", state.get("request_id"))
+            err = EngineError("internal error; see the gateway log", code="internal_error")
+            await shape_for(path).response(err)(scope, receive, send)
+        finally:
+            watch.stop()
+        return None
+
+
+async def _serve(request: Request, gw: Gateway, take: _Take, raw: bytes, prefix: str, send: Send) -> None:
+    principal = await authenticate(request)
+    model = take.model
+    principal.check_model(model.id)
+    explicit = take.priority is not None
+    ask = RouteAsk(
+        raw, request_id=new_id(prefix), stream=take.stream, want_usage=take.want_usage,
+        priority=principal.priority_for(take.priority or 0, explicit),
+        deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name,
+        forward=forwarded(request), max_tokens=take.max_tokens, n=take.n, body=take.body,
+    )
+    ask.path = request.scope["path"]
+    gen = await admit(request, gw, principal, model, ask, session_of(request, take.user))
+    call = gen.lease.requests[0]
+    assert isinstance(call, RelayCall)
+    items = gen.lease.relay()
+    try:
+        first = await _first_bytes(items, gen)
+        if not call.stream:
+            async for item in items:
+                if isinstance(item, RelayUsage):
+                    gen.took(item)
+    except BaseException:
+        await items.aclose()
+        gen.finish()
+        raise
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in gen.headers().items()]
+    if not call.stream:
+        await items.aclose()
+        gen.finish()
+        headers += [_JSON, (b"content-length", b"%d" % len(first))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": first})
+        return
+    try:
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE + headers})
+        await send({"type": "http.response.body", "body": first, "more_body": True})
+        async for item in items:
+            if isinstance(item, RelayUsage):
+                gen.took(item)
+            else:
+                await send({"type": "http.response.body", "body": item, "more_body": True})
+    except GatewayError as e:  # after the first byte: an error event ends the stream
+        note_outcome(gen.note, "error")
+        err = e if isinstance(e, EngineError) else EngineError(e.message, code=e.code)
+        await send({"type": "http.response.body", "body": openai_stream_error(err), "more_body": True})
+    except Exception:
+        logger.exception("stream failed")
+        note_outcome(gen.note, "error")
+        err = EngineError("internal error while streaming; see the gateway log")
+        await send({"type": "http.response.body", "body": openai_stream_error(err), "more_body": True})
+    finally:
+        await items.aclose()
+        gen.finish()
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _first_bytes(items: AsyncGenerator[Relayed, None], gen: Generation) -> bytes:
+    async for item in items:
+        if isinstance(item, RelayUsage):
+            gen.took(item)
+        else:
+            gen.note.setdefault("t_first", time.perf_counter())
+            return item
+    return b""
+
+
+def _replay(read: list[Message], receive: Receive) -> Receive:
+    """A receive that gives the messages already read, then the real ones."""
+    pending = list(read)
+
+    async def again() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return again
