@@ -85,8 +85,10 @@ def plan(gw: Gateway, raw: bytes, path: str, generates: bool) -> _Take | None:
         v = body.get(field)
         if v is not None and (type(v) is not int or v < 1):
             return None
-    priority = body.get("priority")
-    if priority is not None:
+    if "n" in body and body["n"] is None:  # n is not nullable (the full path says so)
+        return None
+    if "priority" in body:
+        priority = body["priority"]
         if type(priority) is not int:
             return None
         take.priority = priority

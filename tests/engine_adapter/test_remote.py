@@ -363,7 +363,8 @@ async def test_the_short_path_takes_well_typed_bodies_and_the_full_path_the_rest
     relayed). Either way the route's metrics and access-log fields are kept."""
     async with serve(None, tier(f"remote={node.url}", access_log_format="json")) as (client, _):
         msgs = [{"role": "user", "content": "hi"}]
-        for bad in ({"stream": "maybe"}, {"n": 0}, {"priority": 1.5}, {"max_tokens": -1}, {"user": 7},
+        for bad in ({"stream": "maybe"}, {"n": 0}, {"priority": 1.5}, {"priority": None}, {"n": None},
+                    {"max_tokens": -1}, {"user": 7},
                     {"stream": True, "stream_options": {"include_usage": "perhaps"}}):
             r = await client.post("/v1/chat/completions", json={"model": "remote", "messages": msgs, **bad})
             assert r.status_code in (400, 422) and r.json()["error"]["type"] == "invalid_request_error", bad
