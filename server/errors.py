@@ -10,6 +10,7 @@ middleware's pre-checks answer in it."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from dataclasses import dataclass
@@ -41,6 +42,12 @@ from engine_adapter.errors import (
 from server.protocol_generate import SHAPE_ERROR
 
 logger = logging.getLogger(__name__)
+
+
+class ClientDisconnected(asyncio.CancelledError):
+    """Raised by a handler whose client left (`until_disconnect`): there is
+    nobody to answer. The middleware logs the request (499) and ends it
+    quietly; uvicorn would log any exception that reached it as a crash."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ from engine_adapter.types import EngineOutput, GenerationRequest, RelayUsage
 from server import sse
 from server.ask import RouteAsk, engine_trace
 from server.auth import Principal
-from server.errors import error_event, error_response
+from server.errors import ClientDisconnected, error_event, error_response
 from server.limits import Admission
 from server.render import Choice, usage
 from server.state import Gateway, ServedModel
@@ -357,7 +357,7 @@ async def until_disconnect(
         await asyncio.gather(task, return_exceptions=True)
         if discard is not None and task.done() and not task.cancelled() and task.exception() is None:
             discard(task.result())
-        raise asyncio.CancelledError("client disconnected")
+        raise ClientDisconnected("client disconnected")
     finally:
         watcher.cancel()
         if not task.done():

@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapter.errors import GatewayError, InvalidRequest, RequestTooLarge, UnsupportedMediaType
 from server.access_log import AccessLog, Network, build_record, trace_id_of
-from server.errors import error_headers, shape_for
+from server.errors import ClientDisconnected, error_headers, shape_for
 from server.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
@@ -115,10 +115,13 @@ class GatewayMiddleware:
                 receive_app = await self.fast(scope, receive_wrapper, send_wrapper)
             if receive_app is not None:
                 await self.app(scope, receive_app, send_wrapper)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as e:
             if "t_response" not in state:
                 status = 499  # the client left before the status line (as nginx logs it)
-            raise
+            task = asyncio.current_task()
+            if not isinstance(e, ClientDisconnected) or (task is not None and task.cancelling()):
+                raise  # a real cancellation (shutdown) goes on
+            # else the handler's word that its client left: nothing to answer, nothing to log
         finally:
             end = time.perf_counter()
             if status == 500 and "t_response" not in state and state.get("outcome") == "cancelled":
