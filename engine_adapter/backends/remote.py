@@ -43,6 +43,7 @@ import orjson
 
 from engine_adapter.backends.aggregate import aggregate
 from engine_adapter.backends.api_relay import relay_stream
+from engine_adapter.backends.relay_bytes import Ejection, Rewrite, take_usage
 from engine_adapter.errors import (
     EngineError,
     InvalidRequest,
@@ -178,7 +179,7 @@ class RemoteEngine:
             ep.waiting += 1
         # The POST runs in this task; an ejection of `ep` meanwhile cancels it
         # (one callback instead of a task and a wait per request).
-        eject = _Ejection(ep.ejected)
+        eject = Ejection(ep.ejected)
         try:
             resp, body = await self._post(ep, ep.url + call.path, payload, headers, plain)
         except asyncio.CancelledError:
@@ -236,7 +237,7 @@ class RemoteEngine:
         return resp, None
 
     async def _stream(
-        self, ep: Endpoint, resp: aiohttp.ClientResponse, rewrite: _Rewrite, *, want_usage: bool
+        self, ep: Endpoint, resp: aiohttp.ClientResponse, rewrite: Rewrite, *, want_usage: bool
     ) -> AsyncGenerator[bytes | RelayUsage, None]:
         """Relay the node's SSE stream one read at a time. An event cut by a
         read waits for its end (so `model` is rewritten whole and the usage
@@ -256,7 +257,7 @@ class RemoteEngine:
                 buf = data[cut + 2:]
                 whole = data[: cut + 2]
                 if b'"usage":{' in whole or b'"usage": {' in whole:
-                    whole, usage = _take_usage(whole, want_usage, usage)
+                    whole, usage = take_usage(whole, want_usage, usage)
                 if b"data: [DONE]" in whole:
                     done = True
                 if whole:
@@ -279,11 +280,11 @@ class RemoteEngine:
             yield usage
 
     async def _joined(
-        self, ep: Endpoint, resp: aiohttp.ClientResponse, path: str, rewrite: _Rewrite
+        self, ep: Endpoint, resp: aiohttp.ClientResponse, path: str, rewrite: Rewrite
     ) -> AsyncGenerator[bytes | RelayUsage, None]:
         """A streamed call joined into the non-streamed answer."""
         events: list[dict[str, Any]] = []
-        async for item in self._stream(ep, resp, _Rewrite("", ""), want_usage=True):
+        async for item in self._stream(ep, resp, Rewrite("", ""), want_usage=True):
             if isinstance(item, RelayUsage):
                 continue
             for line in item.split(b"\n"):
@@ -304,7 +305,7 @@ class RemoteEngine:
         if usage is not None:
             yield usage
 
-    def _whole(self, ep: Endpoint, body: bytes, rewrite: _Rewrite) -> list[bytes | RelayUsage]:
+    def _whole(self, ep: Endpoint, body: bytes, rewrite: Rewrite) -> list[bytes | RelayUsage]:
         """A non-streamed answer: the body as sent (`model` rewritten), then
         its usage if it has one."""
         self.upstream.succeeded(ep)
@@ -342,7 +343,7 @@ class Opened:
         one. `model` reads as the served name the call carries."""
         call, remote, resp = self.call, self.remote, self.resp
         assert resp is not None
-        rewrite = _Rewrite(self.node_model, call.model)
+        rewrite = Rewrite(self.node_model, call.model)
         try:
             if self.body is not None:
                 for item in remote._whole(self.ep, self.body, rewrite):
@@ -372,77 +373,6 @@ class Opened:
         self.remote._open.pop(self.call.request_id, None)
         if self.resp is not None:
             self.resp.close()  # no-op once released; else the node sees a disconnect
-
-
-class _Ejection:
-    """While on: the ejection of the URL (`ejected`, a future) cancels the
-    current task, once. `hit` says that it did."""
-
-    __slots__ = ("ejected", "hit", "on", "task")
-
-    def __init__(self, ejected: asyncio.Future[str]) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.task = task
-        self.ejected = ejected
-        self.on = True
-        self.hit = False
-        ejected.add_done_callback(self._fire)
-
-    def _fire(self, _: asyncio.Future[str]) -> None:
-        if self.on:  # else the POST had finished (the callback was already scheduled)
-            self.hit = True
-            self.task.cancel("upstream ejected")
-
-    def off(self) -> None:
-        self.on = False
-        self.ejected.remove_done_callback(self._fire)
-
-
-class _Rewrite:
-    """`"model":"<node id>"` -> `"model":"<name the client used>"`, bytes in,
-    bytes out (both JSON spellings: with and without a space)."""
-
-    __slots__ = ("_pairs",)
-
-    def __init__(self, node_model: str, served_as: str) -> None:
-        self._pairs: tuple[tuple[bytes, bytes], ...] = ()
-        if node_model and served_as and node_model != served_as:
-            old, new = orjson.dumps(node_model), orjson.dumps(served_as)
-            self._pairs = ((b'"model":' + old, b'"model":' + new), (b'"model": ' + old, b'"model": ' + new))
-
-    def __call__(self, data: bytes) -> bytes:
-        for old, new in self._pairs:
-            if old in data:
-                data = data.replace(old, new)
-        return data
-
-
-def _take_usage(events: bytes, keep: bool, usage: RelayUsage | None) -> tuple[bytes, RelayUsage | None]:
-    """Read the usage out of the last event in `events` (complete events)
-    that carries one (usage is cumulative); drop that event if it is the
-    usage-only one and the client did not ask for it. Only that event is
-    parsed, however many came in the read."""
-    at = max(events.rfind(b'"usage":{'), events.rfind(b'"usage": {'))
-    if at < 0:
-        return events, usage
-    cut = events.rfind(b"\n\n", 0, at)
-    start = cut + 2 if cut >= 0 else 0
-    end = events.find(b"\n\n", at)
-    end = len(events) if end < 0 else end + 2
-    event = events[start:end]
-    if not event.startswith(b"data:"):
-        return events, usage
-    try:
-        obj = orjson.loads(event[5:])
-    except ValueError:
-        return events, usage
-    if not isinstance(obj, dict):
-        return events, usage
-    usage = RelayUsage.from_dict(obj.get("usage")) or usage
-    if not keep and not obj.get("choices"):
-        events = events[:start] + events[end:]
-    return events, usage
 
 
 def _broken(msg: str, sent: bool, code: str) -> EngineError | ServiceUnavailable:
