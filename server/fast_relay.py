@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import orjson
@@ -31,13 +29,13 @@ from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
 from engine_adapter.errors import EngineError, GatewayError
-from engine_adapter.lease import Relayed
 from engine_adapter.types import RelayCall, RelayUsage
 from server import sse
 from server.ask import RouteAsk
 from server.auth import authenticate
 from server.errors import shape_for
-from server.generation import Generation, admit, forwarded, note_outcome, openai_stream_error, session_of
+from server.generation import admit, forwarded, note_outcome, openai_stream_error, session_of
+from server.relay import first_bytes
 from server.state import Gateway, ServedModel
 from server.validation import deadline_after, new_id
 
@@ -236,7 +234,7 @@ async def _serve(request: Request, gw: Gateway, take: _Take, raw: bytes, prefix:
     assert isinstance(call, RelayCall)
     items = gen.lease.relay()
     try:
-        first = await _first_bytes(items, gen)
+        first = await first_bytes(items, gen)
         if not call.stream:
             async for item in items:
                 if isinstance(item, RelayUsage):
@@ -274,16 +272,6 @@ async def _serve(request: Request, gw: Gateway, take: _Take, raw: bytes, prefix:
         await items.aclose()
         gen.finish()
     await send({"type": "http.response.body", "body": b""})
-
-
-async def _first_bytes(items: AsyncGenerator[Relayed, None], gen: Generation) -> bytes:
-    async for item in items:
-        if isinstance(item, RelayUsage):
-            gen.took(item)
-        else:
-            gen.note.setdefault("t_first", time.perf_counter())
-            return item
-    return b""
 
 
 def _replay(read: list[Message], receive: Receive) -> Receive:

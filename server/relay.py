@@ -19,7 +19,8 @@ from server.errors import error_response
 from server.generation import Generation, SSEResponse, note_outcome, openai_stream_error, until_disconnect
 
 
-async def _first_bytes(items: AsyncGenerator[Relayed, None], gen: Generation) -> bytes:
+async def first_bytes(items: AsyncGenerator[Relayed, None], gen: Generation) -> bytes:
+    """The first bytes of a relayed answer (usage before them is taken)."""
     async for item in items:
         if isinstance(item, RelayUsage):
             gen.took(item)
@@ -34,7 +35,7 @@ async def relay_response(request: Request, gen: Generation) -> Response:
     assert isinstance(call, RelayCall)
     items = gen.lease.relay()
     try:
-        first = await until_disconnect(request, _first_bytes(items, gen))
+        first = await until_disconnect(request, first_bytes(items, gen))
     except BaseException:
         await items.aclose()
         gen.finish()

@@ -17,7 +17,6 @@ and of the text stands in for them.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -33,6 +32,7 @@ from server import sse
 from server.ask import RouteAsk
 from server.errors import error_response
 from server.generation import Generation, SSEResponse, until_disconnect
+from server.relay import first_bytes
 from server.state import Gateway
 
 
@@ -103,16 +103,6 @@ class DeltaView(Protocol):
     def failed(self, err: GatewayError) -> bytes: ...
 
 
-async def _first(items: AsyncGenerator[Relayed, None], gen: Generation) -> bytes:
-    async for item in items:
-        if isinstance(item, RelayUsage):
-            gen.took(item)
-        else:
-            gen.note.setdefault("t_first", time.perf_counter())
-            return item
-    return b""
-
-
 async def relayed_response(
     request: Request,
     gen: Generation,
@@ -128,7 +118,7 @@ async def relayed_response(
     bytes)`: (prompt, completion) tokens when the node gave no usage."""
     items = gen.lease.relay()
     try:
-        first = await until_disconnect(request, _first(items, gen))
+        first = await until_disconnect(request, first_bytes(items, gen))
     except BaseException:
         await items.aclose()
         gen.finish()
