@@ -19,6 +19,7 @@ is bench/prefix_routing.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -136,21 +137,30 @@ async def test_a_shared_prefix_stays_on_its_engine_and_hits_its_cache(gateway: G
 @pytest.mark.asyncio
 async def test_a_full_engine_spills_to_the_other(gateway: GatewayProcess) -> None:
     """A tenant's burst past its engine's slots (--max-num-seqs 4) is served
-    by the other engine too, not queued behind its own."""
+    by the other engine, not queued behind its own. Four long streams hold
+    the tenant's engine (admitted, so their slots are taken, before their
+    first byte); the burst's two requests then go to the other engine."""
     async with httpx.AsyncClient(base_url=gateway.url, timeout=300) as c:
-        before = (await c.get("/metrics")).text
         tenant = "tenant C"
+        start = (await c.get("/metrics")).text
         first = await c.post("/v1/chat/completions", json=body(tenant, "Hello.", 2))
         assert first.status_code == 200
-        rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=body(tenant, f"Question {i}?", 32))
-                                    for i in range(6)))
-        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
-
-        after = await finished_after(c, before, 7)
-    served = {e: per_engine(after, "vllm:request_success_total")[e]
-              - per_engine(before, "vllm:request_success_total")[e] for e in ("0", "1")}
-    assert min(served.values()) >= 1 and sum(served.values()) == 7, served
-    assert decisions(after, "prefix_hit") - decisions(before, "prefix_hit") >= 4
+        before = await finished_after(c, start, 1)
+        placed = per_engine(before, "vllm:request_success_total")
+        async with contextlib.AsyncExitStack() as held:
+            for i in range(4):
+                long = {**body(tenant, f"Tell story {i}.", 1024, True), "ignore_eos": True}
+                s = await held.enter_async_context(c.stream("POST", "/v1/chat/completions", json=long))
+                assert s.status_code == 200
+            mid = (await c.get("/metrics")).text
+            rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=body(tenant, f"Question {i}?", 4))
+                                        for i in range(2)))
+            assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+            after = await finished_after(c, before, 2)
+        # leaving the streams aborts them on their engine
+    served = {e: per_engine(after, "vllm:request_success_total")[e] - placed[e] for e in placed}
+    assert sorted(served.values()) == [0, 2], served  # the burst on the engine the streams left free
+    assert decisions(mid, "prefix_hit") - decisions(before, "prefix_hit") == 4  # the streams: on the tenant's engine
 
 
 def node_total(text: str, name: str) -> float:
