@@ -1,15 +1,12 @@
 """The worker pool of one model: bounded queue, admission, priorities,
-dispatch and drain (supervision and readiness: engine_adapter/supervision.py).
+dispatch and drain (supervision and readiness: engine_adapter/supervision.py;
+running admitted requests: engine_adapter/running.py).
 
 A request needs a slot on a worker (at most `slots` run on one engine). Free
 slot: it runs at once on the worker the routing policy picks. Else it waits
 in a bounded priority queue (lower `priority` first, as in vLLM). A full
 queue rejects at once (`QueueFull`); a wait past `max_queue_wait` gives
 `QueueTimeout` and the request never reaches an engine.
-
-Each running request has a channel: a producer task pumps the engine's deltas
-into it and the consumer reads them. A client disconnect, the deadline and
-shutdown all cancel the producer, which aborts the engine request.
 """
 
 from __future__ import annotations
@@ -20,14 +17,12 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 
-from engine_adapter.channel import END, TICK, Channel, Ticker
 from engine_adapter.errors import (
     EngineDead,
-    EngineError,
     GatewayError,
     QueueFull,
     QueueTimeout,
@@ -36,6 +31,7 @@ from engine_adapter.errors import (
 )
 from engine_adapter.lease import Ask, PoolLease, Slot
 from engine_adapter.routing.policy import RouteKey, RoutingPolicy
+from engine_adapter.running import Running
 from engine_adapter.supervision import EngineFactory, Supervision
 from engine_adapter.tasks import cancel_and_wait
 from engine_adapter.types import (
@@ -46,14 +42,13 @@ from engine_adapter.types import (
     GenerationRequest,
     ModelCard,
     RelayCall,
-    RelayUsage,
     Tokenizer,
 )
 from engine_adapter.workers import PoolCounters, Waiter, Worker
 
 logger = logging.getLogger(__name__)
 
-class WorkerPool(Supervision):
+class WorkerPool(Supervision, Running):
     def __init__(
         self,
         name: str,
@@ -125,10 +120,6 @@ class WorkerPool(Supervision):
 
     def queue_depth_by_priority(self) -> dict[int, int]:
         return {p: n for p, n in self._queued_by_priority.items() if n}
-
-    @property
-    def running(self) -> int:
-        return self._running
 
     def stats(self) -> list[EngineStats]:
         return [w.engine.stats() for w in self.workers]
@@ -229,9 +220,6 @@ class WorkerPool(Supervision):
         for w in self.workers:
             w.alive = False
 
-    async def wait_idle(self) -> None:
-        await self._idle.wait()
-
     def stop_accepting(self) -> None:
         self._accepting = False
 
@@ -298,20 +286,6 @@ class WorkerPool(Supervision):
             self._release_slot(slot)
             raise
         return PoolLease(call.model, [(call, slot)], self._run, self._relay, self._release_slot)
-
-    async def _relay(self, slot: Slot, call: RelayCall) -> AsyncGenerator[bytes | RelayUsage, None]:
-        """Relay the node's answer to `call`; the slot is released at the end."""
-        self._running += 1
-        self._idle.clear()
-        try:
-            async with aclosing(slot.opened.items()) as items:
-                async for item in items:
-                    yield item
-        finally:
-            self._running -= 1
-            if self._running == 0:
-                self._idle.set()
-            self._release_slot(slot)
 
     async def _acquire(self, priority: int, deadline: float | None, key: RouteKey | None = None) -> Worker:
         if not self._accepting:
@@ -405,101 +379,11 @@ class WorkerPool(Supervision):
                 for out in batch:
                     yield out
 
-    async def _run(
-        self, slot: Slot, req: GenerationRequest, idle_tick: float | None = None
-    ) -> AsyncGenerator[list[EngineOutput] | None, None]:
-        """Run an admitted request on its slot's worker: its deltas in lists
-        of what was ready together (one engine step each when the consumer
-        keeps up). Errors are `GatewayError`s. With `idle_tick`, yields None
-        whenever nothing came for that many seconds (SSE keep-alives). The
-        slot is released at the end, however it ends."""
-        w = slot.worker
-        channel = Channel()
-        ticker = Ticker(channel, idle_tick) if idle_tick else None
-        producer = asyncio.ensure_future(self._pump(w, req, channel))
-        w.tasks.add(producer)
-        self._running += 1
-        self._idle.clear()
-        timer: asyncio.TimerHandle | None = None
-        if req.deadline is not None:
-            loop = asyncio.get_running_loop()
-            delay = req.deadline - time.monotonic()
-            timer = loop.call_later(max(0.0, delay), self._expire, producer, channel, req)
-        try:
-            while True:
-                batch: list[EngineOutput] = []
-                ended: BaseException | None = None
-                finished = ticked = False
-                for item in await channel.take():
-                    if isinstance(item, EngineOutput):
-                        batch.append(item)
-                    elif item is TICK:
-                        ticked = True
-                    elif item is END:
-                        finished = True
-                        break
-                    elif isinstance(item, BaseException):
-                        ended = item
-                        break
-                if batch:
-                    if ticker is not None:
-                        ticker.seen = True
-                    yield batch
-                elif ticked and not finished and ended is None:
-                    yield None
-                if ended is not None:
-                    raise ended
-                if finished:
-                    return
-        finally:
-            if timer is not None:
-                timer.cancel()
-            if ticker is not None:
-                ticker.stop()
-            if not producer.done():
-                producer.cancel()
-                try:
-                    await asyncio.shield(producer)
-                except BaseException:
-                    pass
-            w.tasks.discard(producer)
-            self._running -= 1
-            if self._running == 0:
-                self._idle.set()
-            self._release_slot(slot)
-
-    def _expire(self, producer: asyncio.Task[None], channel: Channel, req: GenerationRequest) -> None:
-        if not producer.done():
-            producer.cancel()
-            channel.put(RequestTimeout("the request exceeded the gateway's request timeout and was aborted"))
-
-    async def _pump(self, w: Worker, req: GenerationRequest, channel: Channel) -> None:
-        put = channel.put
-        try:
-            async for out in w.engine.generate(req):
-                w.saw_output()
-                put(out)
-            w.last_ready = time.monotonic()
-            put(END)
-        except asyncio.CancelledError:
-            await w.abort_quietly(req.request_id)
-            if not self._accepting:
-                put(ShuttingDown("the server shut down before the request finished"))
-            raise
-        except GatewayError as e:
-            if isinstance(e, EngineDead):
-                self._on_dead(w, e)
-            put(e)
-        except Exception as e:  # an engine bug must not hang the client
-            logger.exception("%s worker %d: generate failed", self.name, w.index)
-            put(EngineError(f"engine error: {type(e).__name__}"))
-
     async def embed(self, req: EmbeddingRequest, session: str | None = None) -> Embedded:
         if self.lazy and not self._started:
             await self.ensure_started()
         w = await self._acquire(req.priority, req.deadline)
-        self._running += 1
-        self._idle.clear()
+        self._begin()
         try:
             coro = w.engine.embed(req)
             if req.deadline is not None:
@@ -515,7 +399,5 @@ class WorkerPool(Supervision):
             self._on_dead(w, e)
             raise
         finally:
-            self._running -= 1
-            if self._running == 0:
-                self._idle.set()
+            self._end()
             self._release(w)

@@ -31,62 +31,12 @@ from engine_adapter.types import (
 if TYPE_CHECKING:
     from engine_adapter.metrics import EngineMetrics
 
+from engine_adapter.backends.hf_tokenizer import HfTokenizer
 from engine_adapter.backends.vllm_config import CPU_BIND_ENV, VllmConfig, make_engine_args
 from engine_adapter.backends.vllm_env import configure_process_env, engine_process_env
 
 logger = logging.getLogger(__name__)
 _CONSTRUCTING = threading.Lock()  # one AsyncLLM constructor at a time (each sets the environment it starts with)
-
-
-class HfTokenizer:
-    """Adapts the tokenizer vLLM loaded to the gateway's Tokenizer protocol."""
-
-    def __init__(self, tok: Any) -> None:
-        self._tok = tok
-
-    @property
-    def eos_token_id(self) -> int | None:
-        eos = getattr(self._tok, "eos_token_id", None)
-        return int(eos) if eos is not None else None
-
-    @property
-    def chat_template(self) -> str | None:
-        t = getattr(self._tok, "chat_template", None)
-        return t if isinstance(t, str) else None
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tok)
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
-
-    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
-        return [str(t) for t in self._tok.convert_ids_to_tokens(list(token_ids))]
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template: str | None = None,
-    ) -> str:
-        kwargs: dict[str, Any] = {}
-        if chat_template is not None:
-            kwargs["chat_template"] = chat_template
-        out = self._tok.apply_chat_template(
-            messages,
-            tools=tools,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message,
-            **kwargs,
-        )
-        return str(out)
 
 
 def to_sampling_params(s: SamplingOptions) -> Any:

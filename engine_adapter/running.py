@@ -1,0 +1,148 @@
+"""Running admitted requests of a WorkerPool (engine_adapter/pool.py, which
+inherits this): a producer task pumps a local engine's deltas into the
+request's channel, or a node's answer is relayed as it comes. A client
+disconnect, the request deadline and shutdown all cancel the producer, which
+aborts the engine request; the slot is released however a request ends. The
+attributes and methods relied on are declared here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+from engine_adapter.channel import END, TICK, Channel, Ticker
+from engine_adapter.errors import EngineDead, EngineError, GatewayError, RequestTimeout, ShuttingDown
+from engine_adapter.lease import Slot
+from engine_adapter.types import EngineOutput, GenerationRequest, RelayCall, RelayUsage
+from engine_adapter.workers import Worker
+
+logger = logging.getLogger("engine_adapter.pool")
+
+
+class Running:
+    name: str
+    _accepting: bool
+    _running: int
+    _idle: asyncio.Event
+
+    def _release_slot(self, slot: Slot) -> None:
+        raise NotImplementedError
+
+    def _on_dead(self, w: Worker, err: BaseException) -> None:
+        raise NotImplementedError
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def _begin(self) -> None:
+        self._running += 1
+        self._idle.clear()
+
+    def _end(self) -> None:
+        self._running -= 1
+        if self._running == 0:
+            self._idle.set()
+
+    async def _relay(self, slot: Slot, call: RelayCall) -> AsyncGenerator[bytes | RelayUsage, None]:
+        """Relay the node's answer to `call`; the slot is released at the end."""
+        self._begin()
+        try:
+            async with aclosing(slot.opened.items()) as items:
+                async for item in items:
+                    yield item
+        finally:
+            self._end()
+            self._release_slot(slot)
+
+    async def _run(
+        self, slot: Slot, req: GenerationRequest, idle_tick: float | None = None
+    ) -> AsyncGenerator[list[EngineOutput] | None, None]:
+        """Run an admitted request on its slot's worker: its deltas in lists
+        of what was ready together (one engine step each when the consumer
+        keeps up). Errors are `GatewayError`s. With `idle_tick`, yields None
+        whenever nothing came for that many seconds (SSE keep-alives). The
+        slot is released at the end, however it ends."""
+        w = slot.worker
+        channel = Channel()
+        ticker = Ticker(channel, idle_tick) if idle_tick else None
+        producer = asyncio.ensure_future(self._pump(w, req, channel))
+        w.tasks.add(producer)
+        self._begin()
+        timer: asyncio.TimerHandle | None = None
+        if req.deadline is not None:
+            loop = asyncio.get_running_loop()
+            delay = req.deadline - time.monotonic()
+            timer = loop.call_later(max(0.0, delay), self._expire, producer, channel, req)
+        try:
+            while True:
+                batch: list[EngineOutput] = []
+                ended: BaseException | None = None
+                finished = ticked = False
+                for item in await channel.take():
+                    if isinstance(item, EngineOutput):
+                        batch.append(item)
+                    elif item is TICK:
+                        ticked = True
+                    elif item is END:
+                        finished = True
+                        break
+                    elif isinstance(item, BaseException):
+                        ended = item
+                        break
+                if batch:
+                    if ticker is not None:
+                        ticker.seen = True
+                    yield batch
+                elif ticked and not finished and ended is None:
+                    yield None
+                if ended is not None:
+                    raise ended
+                if finished:
+                    return
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if ticker is not None:
+                ticker.stop()
+            if not producer.done():
+                producer.cancel()
+                try:
+                    await asyncio.shield(producer)
+                except BaseException:
+                    pass
+            w.tasks.discard(producer)
+            self._end()
+            self._release_slot(slot)
+
+    def _expire(self, producer: asyncio.Task[None], channel: Channel, req: GenerationRequest) -> None:
+        if not producer.done():
+            producer.cancel()
+            channel.put(RequestTimeout("the request exceeded the gateway's request timeout and was aborted"))
+
+    async def _pump(self, w: Worker, req: GenerationRequest, channel: Channel) -> None:
+        put = channel.put
+        try:
+            async for out in w.engine.generate(req):
+                w.saw_output()
+                put(out)
+            w.last_ready = time.monotonic()
+            put(END)
+        except asyncio.CancelledError:
+            await w.abort_quietly(req.request_id)
+            if not self._accepting:
+                put(ShuttingDown("the server shut down before the request finished"))
+            raise
+        except GatewayError as e:
+            if isinstance(e, EngineDead):
+                self._on_dead(w, e)
+            put(e)
+        except Exception as e:  # an engine bug must not hang the client
+            logger.exception("%s worker %d: generate failed", self.name, w.index)
+            put(EngineError(f"engine error: {type(e).__name__}"))
