@@ -232,6 +232,7 @@ class Upstream:
             )
         if best.state_at(now, cd) == "half_open":
             best.state, best.trial = "half_open", True
+            _rearm(best)  # the breaker's ejection must not fail its trial at once
         return best
 
     def model_for(self, ep: Endpoint) -> str:
@@ -364,7 +365,7 @@ class Upstream:
             ep.last_error = None
         if not ep.healthy:
             ep.healthy = True
-            ep.ejected = asyncio.get_running_loop().create_future()
+            _rearm(ep)
             logger.info("upstream %s %s: health checks pass again", self.cfg.name, ep.url)
 
     async def _read_apis(self, ep: Endpoint, timeout: aiohttp.ClientTimeout) -> None:
@@ -411,6 +412,13 @@ def _eject(ep: Endpoint, code: str = "upstream_ejected") -> None:
     """Fail the requests waiting on `ep` for their first byte."""
     if not ep.ejected.done():
         ep.ejected.set_result(code)
+
+
+def _rearm(ep: Endpoint) -> None:
+    """`ep` takes requests again (health checks pass, or its breaker lets a
+    trial through): a new ejection will fail the ones waiting on it then."""
+    if ep.ejected.done():
+        ep.ejected = asyncio.get_running_loop().create_future()
 
 
 def upstreams_of(pools: Iterable[Any]) -> list[Upstream]:

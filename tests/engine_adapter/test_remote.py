@@ -318,6 +318,44 @@ async def test_an_ejected_url_fails_the_requests_waiting_on_it_at_once(node: Nod
 
 
 @pytest.mark.asyncio
+async def test_a_url_whose_breaker_opened_serves_again_after_its_cooldown(node: Node) -> None:
+    """The breaker's half-open trial reaches the node and closes it again;
+    then requests are shared by both URLs with no failed first attempt (a
+    breaker that opened once used to fail every later attempt on its URL at
+    once, each request paying a retry on the other URL)."""
+    bad = await Node().start()
+    try:
+        cfg = f"remote={bad.url},{node.url};eject_after=2;cooldown=0.3;health_interval=30"
+        async with serve(None, tier(cfg)) as (client, app):
+            up = app.state.gateway.pools[0].workers[0].engine.upstream
+            body = {"model": "remote", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            bad.status = 500  # each attempt on it fails and is retried on the other URL
+            while up.endpoints[0].state != "open":
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert len(bad.calls) <= 2
+            bad.status = 200
+            deadline = time.monotonic() + 10
+            served = len(bad.calls)
+            while up.endpoints[0].state != "closed":  # the trial goes out once the cooldown ran
+                assert time.monotonic() < deadline, up.describe()
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                await asyncio.sleep(0.05)
+            assert len(bad.calls) == served + 1  # the trial, answered by the node
+            decisions = up.policy.stats.decisions["least_outstanding"]
+            before = (len(bad.calls), len(node.calls))
+            for _ in range(6):
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert events(r.content)[-1]["choices"][0]["finish_reason"] == "stop"
+            assert (len(bad.calls) - before[0], len(node.calls) - before[1]) == (3, 3)
+            assert up.policy.stats.decisions["least_outstanding"] - decisions == 6  # no attempt failed
+    finally:
+        await bad.stop()
+
+
+@pytest.mark.asyncio
 async def test_a_client_disconnect_closes_the_upstream_request(node: Node) -> None:
     node.delay = 0.2
     async with serve(None, tier(f"remote={node.url}")) as (client, app):
