@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +49,11 @@ class GatewayServer(uvicorn.Server):
         await super().startup(sockets)  # type: ignore[arg-type]
         if self.started and self.on_started is not None:
             self.on_started()
+        elif self.started:  # uvicorn says where it listens only for sockets it bound itself
+            for server in self.servers:
+                for sock in server.sockets:
+                    host, port = sock.getsockname()[:2]
+                    logger.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -142,7 +148,28 @@ def serve(settings: Settings) -> None:
             print(f"npu-gateway: {problem}", file=sys.stderr)
             raise SystemExit(2)
         raise SystemExit(serve_workers(settings))
-    build_server(settings).run()
+    sock = listening_socket(settings.host, settings.port)  # before the engines start: see its docstring
+    build_server(settings).run(sockets=[sock])
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """HOST:PORT, bound before the app is built and its engines start (as
+    vLLM's own server does): a port another program holds fails in a second
+    with a clear message, not after minutes of loading weights; and no
+    outgoing connection made meanwhile (the engines' own, health checks) can
+    take it as its ephemeral local port, which failed a gateway start in CI
+    after its engines were up. uvicorn starts listening once the app has
+    started; until then connections are refused, as before."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        print(f"npu-gateway: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    return sock  # not inheritable: engine processes started by spawn never hold it
 
 
 def prepare_model() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,12 +17,38 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = "SmolLM2-135M-Instruct"
 EMBEDDING = "all-MiniLM-L6-v2"
+ERROR_MARKS = ("Traceback", "ERROR", "Error:", "error:", "startup failed", "Application startup failed")
+
+
+_given: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below the kernel's ephemeral range, never handed out
+    twice in this process. A port bound to 0 comes from that range, where
+    any outgoing connection made before the server binds it (an engine's,
+    a health check's) can take it as its local port: a gateway then failed
+    to start in CI with "address already in use" after its engines were up."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 class GatewayProcess:
@@ -47,17 +74,29 @@ class GatewayProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.report()}")
             try:
                 if httpx.get(self.url + path, timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise TimeoutError(f"gateway not ready after {timeout}s:\n{self.log()[-4000:]}")
+        raise TimeoutError(f"gateway not ready after {timeout}s:\n{self.report()}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def report(self, context: int = 40) -> str:
+        """The log's first error with the lines before it, then its tail:
+        a failed start's cause is often far above the engines' shutdown
+        lines and the interpreter's exit noise that end the log."""
+        lines = [ln for ln in self.log().splitlines() if not ln.lstrip("E ").startswith(("nanobind:", "- leaked"))]
+        first = next((i for i, ln in enumerate(lines) if any(m in ln for m in ERROR_MARKS)), None)
+        tail = "\n".join(lines[-30:])
+        if first is None or first >= len(lines) - 30:
+            return "\n".join(lines[-80:])
+        head = "\n".join(lines[max(0, first - context) : first + context])
+        return f"{head}\n[...]\n{tail}"
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)

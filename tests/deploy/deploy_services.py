@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
+from support import free_port
 
 __all__ = [
     "BinaryMissing",
@@ -65,10 +66,6 @@ def find_binary(name: str) -> str:
     return found
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for_port(

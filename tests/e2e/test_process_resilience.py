@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from support import GatewayProcess, metric_value
+from support import GatewayProcess, free_port, metric_value
 
 pytestmark = pytest.mark.e2e
 SIM = ["--backend", "simulated", "--embedding-model", "none", "--served-model-name", "sim"]
@@ -102,6 +103,24 @@ def test_api_keys_never_logged(tmp_path: Path) -> None:
     assert "serving" in log  # the log was captured
     for s in (secret, file_secret, "sk-wrong-789"):
         assert s not in log
+
+
+def test_a_taken_port_fails_before_the_app_starts(tmp_path: Path) -> None:
+    """The port is bound before the app and its engines start: a port that
+    another program holds fails at once (exit 1, a one-line reason), not
+    after the engines have loaded (before: exit 3 once the app had started),
+    and a gateway holds its port from its first second, so nothing else can
+    take it while its engines start."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", free_port()))
+        other.listen()
+        taken = other.getsockname()[1]
+        gw = GatewayProcess([*SIM, "--port", str(taken)], tmp_path / "taken.log")
+        assert gw.proc.wait(60) == 1
+        gw.stop()
+    log = gw.log()
+    assert f"cannot listen on 127.0.0.1:{taken}" in log
+    assert "serving" not in log and "Application startup" not in log  # the app never started
 
 
 @pytest.mark.asyncio
