@@ -148,13 +148,14 @@ def serve(settings: Settings) -> None:
             print(f"npu-gateway: {problem}", file=sys.stderr)
             raise SystemExit(2)
         raise SystemExit(serve_workers(settings))
-    sock = listening_socket(settings.host, settings.port)  # before the engines start: see its docstring
-    build_server(settings).run(sockets=[sock])
+    server = build_server(settings)  # settings and keys are checked first (exit 2)
+    sock = listening_socket(settings.host, settings.port)  # then the port, before the engines start
+    server.run(sockets=[sock])
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """HOST:PORT, bound before the app is built and its engines start (as
-    vLLM's own server does): a port another program holds fails in a second
+    """HOST:PORT, bound before the app starts its engines (as vLLM's own
+    server does): a port another program holds fails in a second
     with a clear message, not after minutes of loading weights; and no
     outgoing connection made meanwhile (the engines' own, health checks) can
     take it as its ephemeral local port, which failed a gateway start in CI
