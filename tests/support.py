@@ -17,9 +17,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = "SmolLM2-135M-Instruct"
 EMBEDDING = "all-MiniLM-L6-v2"
-ERROR_MARKS = ("Traceback", "ERROR", "Error:", "error:", "startup failed", "Application startup failed")
-
-
+ERROR_MARKS = ("Traceback", "ERROR", "Error:", "error:", "startup failed")
 _given: set[int] = set()
 
 
@@ -90,7 +88,7 @@ class GatewayProcess:
         """The log's first error with the lines before it, then its tail:
         a failed start's cause is often far above the engines' shutdown
         lines and the interpreter's exit noise that end the log."""
-        lines = [ln for ln in self.log().splitlines() if not ln.lstrip("E ").startswith(("nanobind:", "- leaked"))]
+        lines = [ln for ln in self.log().splitlines() if not ln.lstrip().startswith(("nanobind:", "- leaked"))]
         first = next((i for i, ln in enumerate(lines) if any(m in ln for m in ERROR_MARKS)), None)
         tail = "\n".join(lines[-30:])
         if first is None or first >= len(lines) - 30:

@@ -66,8 +66,6 @@ def find_binary(name: str) -> str:
     return found
 
 
-
-
 def wait_for_port(
     port: int, proc: subprocess.Popen[bytes] | None = None, timeout: float = 20.0, host: str = "127.0.0.1"
 ) -> None:

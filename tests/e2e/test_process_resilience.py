@@ -108,9 +108,7 @@ def test_api_keys_never_logged(tmp_path: Path) -> None:
 def test_a_taken_port_fails_before_the_app_starts(tmp_path: Path) -> None:
     """The port is bound before the app and its engines start: a port that
     another program holds fails at once (exit 1, a one-line reason), not
-    after the engines have loaded (before: exit 3 once the app had started),
-    and a gateway holds its port from its first second, so nothing else can
-    take it while its engines start."""
+    after the engines have loaded (before: exit 3 once the app had started)."""
     with socket.socket() as other:
         other.bind(("127.0.0.1", free_port()))
         other.listen()
