@@ -1,5 +1,6 @@
 # Two commands: `make serve` and `make test` (each sets everything up first).
-.PHONY: setup serve test test-fast lint bench
+# `make docs` builds the documentation site into site/ (strict: a broken link fails).
+.PHONY: setup serve test test-fast lint bench docs
 
 export HF_HUB_OFFLINE := 1
 
@@ -19,3 +20,6 @@ test-fast: setup
 lint:
 	.venv/bin/ruff check server engine_adapter tests bench
 	.venv/bin/mypy
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict

@@ -183,7 +183,7 @@ def prepare_model() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="npu-gateway", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve_p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve_p = sub.add_parser("serve", help="serve the OpenAI-compatible API", usage="npu-gateway serve [options]")
     add_settings_arguments(serve_p)
     sub.add_parser("prepare-model", help="convert the embedded model once (no network)")
     from server.usage import cli as usage_cli

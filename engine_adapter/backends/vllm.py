@@ -221,6 +221,11 @@ class VllmEngine:
             max_model_len=int(mc.max_model_len), kind=kind, embedding_dim=dim, root=self.config.model
         )
         self._tokenizer = HfTokenizer(self._llm.get_tokenizer())
+        if kind == "generate":
+            try:  # off the event loop; a template that cannot render fails its requests later, with their error
+                await asyncio.to_thread(self._tokenizer.warm_up)
+            except Exception as e:
+                logger.warning("engine %d: chat template warm-up failed: %s", self.index, e)
         self._report_effective_config()
 
     def _report_effective_config(self) -> None:

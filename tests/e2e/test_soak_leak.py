@@ -6,7 +6,7 @@ Load: 6 closed-loop clients (the engine runs 8 at a time), streamed and plain
 chat and completions, embeddings, clients that hang up after two events, and
 bad requests (400, 404, 422). The session gateway is open (no keys file), so
 the over-limit key (429) and the wrong key (401) are left out here; the
-soak's own runs (bench/soak.py, README "Soak") cover them.
+soak's own runs (bench/soak.py, docs/soak.md) cover them.
 
 Fails when:
 - an engine or the gateway still holds a request once the load is over
