@@ -262,7 +262,9 @@ def pages() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    out = Path(args[0] if args else "docs-generated")
+    if len(args) != 1:
+        raise SystemExit("usage: python -m server.docs_gen OUTDIR")
+    out = Path(args[0])
     for rel, text in pages().items():
         path = out / rel
         path.parent.mkdir(parents=True, exist_ok=True)
