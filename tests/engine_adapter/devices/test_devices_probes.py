@@ -335,6 +335,9 @@ def test_make_probe_kinds(cat_fixture_script: Script, tmp_path: Path, monkeypatc
     assert (npu.executable, npu.timeout) == (str(script), 3)
     missing = make_probe("npu", str(tmp_path / "missing"))  # no torch_npu here either
     assert isinstance(missing, NpuSmiProbe)
+    # torch_npu importable: still npu-smi, never an NPU context on every device from the gateway process
+    monkeypatch.setitem(sys.modules, "torch_npu", _fake_module("torch_npu"))
+    assert isinstance(make_probe("npu", str(tmp_path / "missing")), NpuSmiProbe)
     monkeypatch.setenv("NPUGW_DEVICE", "cpu")
     assert isinstance(make_probe("auto"), CpuProbe)
     with pytest.raises(ValueError, match="tpu"):
