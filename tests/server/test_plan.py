@@ -134,6 +134,20 @@ def test_model_specs_give_each_engine_its_devices(npu_smi_on_path: Path) -> None
     assert engine_block_tokens(Settings(backend="simulated")) == 16  # type: ignore[call-arg]
 
 
+def test_model_specs_honour_an_extra_models_own_devices(npu_smi_on_path: Path, tmp_path: Path) -> None:
+    from server.models_setup import model_specs
+
+    folder = tmp_path / "other"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    s = Settings(device="npu", extra_model=[f"other={folder};devices=7"],  # type: ignore[call-arg]
+                 embedding_model="none")
+    gen, other = model_specs(s)
+    assert gen.vllm is not None and other.vllm is not None
+    assert dict(gen.vllm.env_for(0))["ASCEND_RT_VISIBLE_DEVICES"] == "0"
+    assert dict(other.vllm.env_for(0))["ASCEND_RT_VISIBLE_DEVICES"] == "7"
+
+
 def test_serve_refuses_before_any_engine_starts(tmp_path: Path) -> None:
     """A real `npu-gateway serve` process: exit 2 in seconds, naming need and free, no traceback."""
     fake_npu_smi(tmp_path / "bin", F_A3)

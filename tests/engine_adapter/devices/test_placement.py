@@ -205,3 +205,25 @@ def test_npu_engines_get_no_npu_allocator_setting(monkeypatch: pytest.MonkeyPatc
         monkeypatch.delenv(k)
     configure_process_env("npu")
     assert "PYTORCH_NPU_ALLOC_CONF" not in os.environ
+
+
+def test_an_engine_process_started_for_a_worker_sees_its_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variable is in the environment the engine's processes inherit
+    while they start (vllm.py constructs AsyncLLM inside engine_process_env),
+    and the gateway's own environment is left as it was."""
+    import subprocess
+    import sys
+
+    from engine_adapter.backends.vllm_config import VllmConfig
+    from engine_adapter.backends.vllm_env import engine_process_env
+
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")  # the gateway's, e.g. set by an operator
+    cfg = VllmConfig(model="/m", served_model_name="m",
+                     worker_env=((("ASCEND_RT_VISIBLE_DEVICES", "0,1"),), (("ASCEND_RT_VISIBLE_DEVICES", "2,3"),)))
+    child = [sys.executable, "-c", "import os; print(os.environ['ASCEND_RT_VISIBLE_DEVICES'])"]
+    seen = []
+    for index in (0, 1):
+        with engine_process_env(cfg.env_for(index)):
+            seen.append(subprocess.run(child, capture_output=True, text=True, timeout=60, check=True).stdout.strip())
+    assert seen == ["0,1", "2,3"]
+    assert os.environ["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
