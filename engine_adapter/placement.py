@@ -67,7 +67,9 @@ class EnginePlace:
         return ",".join(d.name for d in self.devices)
 
 
-def select_devices(listed: Sequence[Device], wanted: Sequence[str] | None, what: str = "--devices") -> list[Device]:
+def select_devices(
+    listed: Sequence[Device], wanted: Sequence[str] | None, what: str = "--devices", among: str = "the host lists"
+) -> list[Device]:
     """`wanted` (names, as npu-smi prints them) out of `listed`, in the order
     given; all of `listed` when None. Unknown names and duplicates are refused."""
     if not wanted:
@@ -80,7 +82,7 @@ def select_devices(listed: Sequence[Device], wanted: Sequence[str] | None, what:
             raise PlacementError(f"{what}: device {name} is given twice")
         if name not in by_name:
             raise PlacementError(
-                f"{what}: device {name} is not one the host lists ({', '.join(by_name) or 'none'})"
+                f"{what}: device {name} is not one {among} ({', '.join(by_name) or 'none'})"
             )
         seen.add(name)
         out.append(by_name[name])
@@ -140,7 +142,7 @@ def place_engines(asks: Sequence[EngineAsk], devices: Sequence[Device], kind: st
             continue
         pool = free
         if ask.devices is not None:
-            own = select_devices(devices, ask.devices, f"{ask.model} devices=")
+            own = select_devices(devices, ask.devices, f"{ask.model} devices=", "the engines may use")
             taken = [d.name for d in own if d not in free]
             if taken:
                 raise PlacementError(f"{ask.model} devices={','.join(ask.devices)}: device "

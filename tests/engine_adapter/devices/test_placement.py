@@ -155,7 +155,7 @@ def test_per_model_devices_override(load_fixture: Load) -> None:
     (EngineAsk("b", tensor_parallel=2, devices=("5", "6", "7")), "2 does not divide its 3 devices"),
     (EngineAsk("b", workers=2, tensor_parallel=2, devices=("4", "5")), "need 4 devices, 2 are given"),
     (EngineAsk("b", devices=("0",)), "already another model's"),
-    (EngineAsk("b", devices=("9",)), "device 9 is not one the host lists"),
+    (EngineAsk("b", devices=("9",)), "device 9 is not one the engines may use"),
 ])
 def test_bad_per_model_devices(load_fixture: Load, ask: EngineAsk, error: str) -> None:
     asks = [EngineAsk("a", devices=("0",)), ask]
