@@ -163,3 +163,15 @@ def test_serve_refuses_before_any_engine_starts(tmp_path: Path) -> None:
     assert "cannot place the engines: the engines need 20 devices" in done.stderr
     assert "16 are available (0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15)" in done.stderr
     assert "Traceback" not in done.stderr and "starting vLLM engine" not in done.stderr
+
+
+def test_plan_imports_no_torch_vllm_or_torch_npu() -> None:
+    code = (
+        "import sys\nfrom server.cli import main\n"
+        f"try:\n    main(['plan', '--npu-smi-output', {str(F_A3)!r}, '--num-workers', '2'])\n"
+        "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "print(sorted(m for m in ('torch', 'torch_npu', 'vllm', 'vllm_ascend') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
