@@ -19,6 +19,7 @@ from engine_adapter.registry import ModelSpec, build_pool
 from engine_adapter.routing import CanaryPolicy, RouteSpec, RoutingMetrics, RoutingTable, ServedPool, route_specs
 from engine_adapter.routing.policy import PolicyOptions, make_policy, parse_policies
 from engine_adapter.routing.upstream import UpstreamConfig, parse_upstream, upstreams_of
+from server.placement import engine_placement, log_placement
 from server.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,11 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
                 )
             )
         return specs
+    # Before anything else: a placement that does not fit is refused before
+    # any model is prepared or any engine starts.
+    placement = engine_placement(s, device_for(s))
+    if placement is not None:
+        log_placement(placement)
     path, default_name = resolve_model(s.model)
     names = tuple(s.served_model_name) or (default_name,)
     gen_bind, emb_bind = cpu_binds(s) if s.embedding_enabled else (None, None)
@@ -186,11 +192,13 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         extra=dict(s.engine_args),
         process_env=(("VLLM_CPU_OMP_THREADS_BIND", gen_bind),) if gen_bind else (),
         worker_cpu_binds=worker_binds(s, gen_bind),
+        worker_env=placement.worker_env(0) if placement else (),
     )
     specs = [ModelSpec(names=names, backend="vllm", vllm=engine, root=str(path), **common)]  # type: ignore[arg-type]
-    for extra_names, extra in s.extra_models():
+    for i, (extra_names, extra) in enumerate(s.extra_models(), 1):
         extra_dir, _ = resolve_model(extra)
-        cfg = replace(engine, model=str(extra_dir), served_model_name=extra_names[0], profile_frontend=False)
+        cfg = replace(engine, model=str(extra_dir), served_model_name=extra_names[0], profile_frontend=False,
+                      worker_env=placement.worker_env(i) if placement else ())
         specs.append(ModelSpec(names=extra_names, backend="vllm", vllm=cfg, root=str(extra_dir), **common))  # type: ignore[arg-type]
     if s.embedding_enabled:
         # Its own engine: none of the generation models' engine flags (dtype,
@@ -208,6 +216,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
             profile_dir=None,  # profiling is for the generators (the pooling worker hung on stop_profile)
             profile_frontend=False,
             process_env=embedding_env(emb_bind, embedding_busy_loop(s)),
+            worker_env=placement.worker_env(len(placement.asks) - 1) if placement else (),
         )
         if emb_bind:
             logger.info("embedding engine: OpenMP threads on cores %s (--embedding-cpu-bind %s)",
@@ -259,6 +268,21 @@ def build_served_pools(
     return served
 
 
+def engine_block_tokens(settings: Settings) -> int:
+    """The KV block size (tokens) the engines run with, so that prefix
+    routing's blocks are whole engine blocks. vllm-ascend sets 128 whenever
+    prefix caching or chunked prefill is on (its refresh_block_size; both are
+    on by default), whatever --block-size says; vLLM's CPU platform 128 unless
+    --block-size; vLLM's own default 16 elsewhere, and for the simulated
+    backend (no KV blocks)."""
+    s = settings
+    if s.backend == "vllm" and device_for(s) == "npu":
+        return 128
+    if s.block_size:
+        return s.block_size
+    return 128 if s.backend == "vllm" and device_for(s) == "cpu" else 16
+
+
 def set_routing_policies(settings: Settings, served: list[tuple[WorkerPool, tuple[str, ...], str]]) -> None:
     """`--routing-policy`: each pool's choice of worker, each upstream's
     choice of URL (prefix blocks: the KV block size in tokens locally, bytes
@@ -266,7 +290,7 @@ def set_routing_policies(settings: Settings, served: list[tuple[WorkerPool, tupl
     s = settings
     default, per_model = parse_policies(s.routing_policy)
     opts = PolicyOptions(
-        block_tokens=s.block_size or 16, block_bytes=s.routing_prefix_block_bytes,
+        block_tokens=engine_block_tokens(s), block_bytes=s.routing_prefix_block_bytes,
         max_blocks=s.routing_prefix_max_blocks, balance_abs=s.routing_balance_abs_threshold,
         balance_rel=s.routing_balance_rel_threshold,
     )

@@ -85,10 +85,18 @@ class Settings(BaseSettings):
     )
     extra_model: Entries = Field(
         default_factory=list,
-        description="more generator models, each with its own pool: NAME[,ALIAS...]=PATH (repeatable)",
+        description="more generator models, each with its own pool: NAME[,ALIAS...]=PATH[;devices=4,5] "
+        "(repeatable; devices: its engines' own devices, NPU/GPU)",
     )
     backend: Literal["vllm", "simulated"] = Field("vllm", description="engine backend (simulated: benchmarks/tests)")
     device: Literal["auto", "npu", "cuda", "cpu"] = Field("auto", description="device; auto detects")
+    devices: Entries = Field(
+        default_factory=list,
+        description="(NPU/GPU) the devices the engines may use, as npu-smi / nvidia-smi number them (0,1,...); "
+        "default: all listed. Each engine gets its own group of --tensor-parallel-size x "
+        "--pipeline-parallel-size of them (ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES); "
+        "`npu-gateway plan` shows where each engine goes",
+    )
     # --- vLLM engine args ---
     max_model_len: int | None = Field(None, ge=16, description="context length")
     dtype: str = Field("auto", description="weights dtype")
@@ -246,7 +254,17 @@ class Settings(BaseSettings):
         None, description="OTLP collector for traces (protocol: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL); off when unset"
     )
 
-    @field_validator("served_model_name", "embedding_served_model_name", "api_key", "trusted_proxies", mode="before")
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices(cls, v: Any) -> Any:
+        """`--devices 0,1 2` / NPUGW_DEVICES="0,1,2" / a YAML list -> ["0", "1", "2"]."""
+        items = [v] if isinstance(v, str | int) else v
+        if isinstance(items, list | tuple):
+            return [p for item in items for p in str(item).replace(",", " ").split()]
+        return v
+
+    @field_validator("served_model_name", "embedding_served_model_name", "api_key", "trusted_proxies",
+                     mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -309,6 +327,10 @@ class Settings(BaseSettings):
 
     def extra_models(self) -> list[tuple[tuple[str, ...], str]]:
         return [_extra_model(item) for item in self.extra_model]
+
+    def extra_model_devices(self) -> list[tuple[str, ...] | None]:
+        """Each --extra-model's own devices (`;devices=4,5`), or None."""
+        return [_extra_model_devices(item) for item in self.extra_model]
 
     @field_validator("engine_args", mode="before")
     @classmethod
@@ -404,13 +426,27 @@ def parse_engine_args(v: Any) -> dict[str, Any]:
     return out
 
 
+_EXTRA_MODEL_SYNTAX = "NAME[,ALIAS...]=PATH[;devices=ID,ID...]"
+
+
 def _extra_model(item: str) -> tuple[tuple[str, ...], str]:
-    """`NAME[,ALIAS...]=PATH` -> (names, path)."""
-    e = parse_entry(item, "--extra-model", "NAME[,ALIAS...]=PATH", many=False)
+    """`NAME[,ALIAS...]=PATH[;devices=...]` -> (names, path)."""
+    e = parse_entry(item, "--extra-model", _EXTRA_MODEL_SYNTAX, options=("devices",), many=False)
     names = tuple(n.strip() for n in e.name.split(",") if n.strip())
     if not names or not e.items[0]:
-        raise ValueError(f"--extra-model {item!r}: expected NAME[,ALIAS...]=PATH")
+        raise ValueError(f"--extra-model {item!r}: expected {_EXTRA_MODEL_SYNTAX}")
+    _extra_model_devices(item)
     return names, e.items[0]
+
+
+def _extra_model_devices(item: str) -> tuple[str, ...] | None:
+    e = parse_entry(item, "--extra-model", _EXTRA_MODEL_SYNTAX, options=("devices",), many=False)
+    if "devices" not in e.options:
+        return None
+    ids = tuple(p.strip() for p in e.options["devices"].split(",") if p.strip())
+    if not ids:
+        raise ValueError(f"--extra-model {item!r}: devices= names no device")
+    return ids
 
 
 def _config_path(init: PydanticBaseSettingsSource) -> Path | None:

@@ -60,13 +60,20 @@ class VllmConfig:
     # (CPU) each worker's own VLLM_CPU_OMP_THREADS_BIND, by worker index
     # (a pool's engines on disjoint cores); empty: process_env's, for all.
     worker_cpu_binds: tuple[str, ...] = ()
+    # (NPU/GPU) each worker's own devices (ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES),
+    # by worker index (engine_adapter/placement.py); empty: the gateway's own.
+    worker_env: tuple[tuple[tuple[str, str], ...], ...] = ()
 
     def env_for(self, index: int) -> tuple[tuple[str, str], ...]:
         """The process environment of worker `index`'s engine."""
-        if not self.worker_cpu_binds:
-            return self.process_env
-        bind = self.worker_cpu_binds[index % len(self.worker_cpu_binds)]
-        return (*((k, v) for k, v in self.process_env if k != CPU_BIND_ENV), (CPU_BIND_ENV, bind))
+        env = self.process_env
+        if self.worker_cpu_binds:
+            bind = self.worker_cpu_binds[index % len(self.worker_cpu_binds)]
+            env = (*((k, v) for k, v in env if k != CPU_BIND_ENV), (CPU_BIND_ENV, bind))
+        if index < len(self.worker_env):
+            own = dict(self.worker_env[index])
+            env = (*((k, v) for k, v in env if k not in own), *own.items())
+        return env
 
     def engine_kwargs(self, device: str, index: int = 0) -> dict[str, Any]:
         """The AsyncEngineArgs keyword arguments; None means vLLM's default."""
@@ -149,7 +156,9 @@ def cpu_generation_dtype(machine: str | None = None, flags: frozenset[str] | Non
 
 
 # VllmConfig fields that are not engine arguments.
-_NOT_ENGINE_ARGS = frozenset({"profile_dir", "profile_frontend", "extra", "process_env", "worker_cpu_binds"})
+_NOT_ENGINE_ARGS = frozenset(
+    {"profile_dir", "profile_frontend", "extra", "process_env", "worker_cpu_binds", "worker_env"}
+)
 # Engine arguments the gateway derives itself, and the setting that decides them.
 _DERIVED_ENGINE_ARGS = {
     "tokenizer": "--model (the tokenizer is the model folder's)",

@@ -167,10 +167,7 @@ def test_npu_target_loads_the_cann_environment(dockerfile: tuple[dict[str, str],
     assert any(re.search(r"PATH=/opt/npu-gateway/bin:", e) for e in npu.all("ENV"))
     assert npu.index("ENV", "PATH=/opt/npu-gateway/bin") > npu.index("RUN", "with-cann-env")
     assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0 npu-gateway prepare-model" in run
-    script = WRAPPER.read_text()
-    assert "source \"$f\"" in script
-    for f in ("/usr/local/Ascend/ascend-toolkit/set_env.sh", "/usr/local/Ascend/nnal/atb/set_env.sh"):
-        assert f in script
+    # what the wrapper sources: tests/deploy/test_cann_env.py, on a fake CANN tree
 
 
 def _pins(name: str) -> dict[str, str]:
