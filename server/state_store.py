@@ -202,13 +202,19 @@ class StateStore:
     def __init__(self, url: str, timeout: float = 0.25, lease_ttl: float = 10.0,
                  registry: CollectorRegistry | None = None) -> None:
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
 
         self.url = url
         self.timeout = timeout
         self.lease_ttl = lease_ttl
         self.client: Any = aioredis.from_url(
             url, socket_timeout=timeout, socket_connect_timeout=timeout, decode_responses=True,
-            max_connections=256, retry_on_timeout=False,
+            max_connections=256,
+            # One retry at once on a broken connection: a pooled connection that
+            # a restarted store closed fails once, and the retry takes a new one.
+            retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError],
         )
         self._admit = self.client.register_script(ADMIT)
         self._settle = self.client.register_script(SETTLE)
@@ -268,6 +274,12 @@ class StateStore:
             self._probe = asyncio.get_running_loop().create_task(self._probe_loop())
 
     async def _probe_loop(self) -> None:
+        # Pooled connections made before the failure would each fail once more
+        # after the store is back (a restarted server closed them): drop them all.
+        try:
+            await self.client.connection_pool.disconnect()
+        except Exception as e:
+            logger.debug("state store: dropping pooled connections: %s", e)
         while not await self.ping():
             if self._closed:
                 return
