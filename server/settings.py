@@ -179,8 +179,9 @@ class Settings(BaseSettings):
     )
     responses_db: str | None = Field(
         None,
-        description="stored /v1/responses: a SQLite file, or an SQLAlchemy async URL "
-        "(sqlite+aiosqlite:///PATH); default DATA_DIR/responses.db; 'none' stores nothing",
+        description="stored /v1/responses: a SQLite file, postgresql://USER:PASSWORD@HOST:PORT/DB (shared by "
+        "replicas: each sees the others' responses) or an SQLAlchemy async URL; default DATA_DIR/responses.db; "
+        "'none' stores nothing",
     )
     # --- limits shared by replicas (server/state_store.py) ---
     state_url: str | None = Field(
