@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from _common import (
     BENCH,
     MAIN_PY,
     ROOT,
@@ -53,7 +53,7 @@ BODY = '{"model":"fake","messages":[{"role":"user","content":"Say hello."}],"max
 
 def wrk(url: str, conns: int, seconds: int) -> dict[str, Any]:
     out = subprocess.run(
-        ["wrk", "-t", str(min(conns, 2)), "-c", str(conns), "-d", f"{round(seconds)}s", "--latency",
+        ["wrk", "-t", str(min(conns, 2)), "-c", str(conns), "-d", f"{seconds}s", "--latency",
          "-H", f"Authorization: Bearer {KEY}", "-s", str(BENCH / "wrk_post.lua"), url + "/v1/chat/completions"],
         capture_output=True, text=True, env={**os.environ, "WRK_BODY": BODY}, timeout=seconds + 60,
     )
