@@ -114,6 +114,7 @@ def create_app(
         try:
             await start_usage(app)  # the usage ledger: migrations, budgets from the database, its writer
             if state_store is not None:
+                state_store.attach_budgets(app.state.usage.budgets)  # budgets' running totals, shared
                 await state_store.start()  # unreachable: follows --state-fail, probes until it answers
             await asyncio.gather(*(start(p) for p in gw.pools))
             await lora.start_lora(app, gw)  # adapters first: aliases may name them

@@ -26,20 +26,26 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+if TYPE_CHECKING:
+    from server.usage.budgets import BudgetBook
+
 logger = logging.getLogger(__name__)
 
 SCHEMES = ("redis", "rediss", "unix")
 PREFIX = "npugw"
 PROBE_INTERVAL = 1.0
+BUDGET_INTERVAL = 0.5  # seconds between the budgets' exchanges with the store
+BUDGET_TTL = 40 * 86400  # a month's totals outlive the month
 WARN_INTERVAL = 60.0
 
 # KEYS: window (zset id -> ms), tokens (hash id -> n, plus field "sum"), leases (zset id -> expiry ms)
@@ -224,6 +230,9 @@ class StateStore:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._probe: asyncio.Task[None] | None = None
         self._renewer: asyncio.Task[None] | None = None
+        self._budget_task: asyncio.Task[None] | None = None
+        self.budgets: BudgetBook | None = None
+        self._to_add: defaultdict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])
         self._last_warning = -WARN_INTERVAL
         self._closed = False
         self.errors = Counter("npugw_state_store_errors", "Calls to the shared state store that failed or timed out.",
@@ -238,10 +247,19 @@ class StateStore:
         else:
             self.down("start", None)
         self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
+        if self.budgets is not None:
+            self._budget_task = asyncio.get_running_loop().create_task(self._budget_loop())
+
+    def attach_budgets(self, book: BudgetBook) -> None:
+        """Share `book`'s running totals through the store (before `start`)."""
+        self.budgets = book
+        book.share = self.add_usage
 
     async def close(self) -> None:
         self._closed = True
-        loops = [t for t in (self._probe, self._renewer) if t is not None]
+        if self._budget_task is not None:
+            await self._exchange_budgets()  # the last records out
+        loops = [t for t in (self._probe, self._renewer, self._budget_task) if t is not None]
         for t in loops:
             t.cancel()  # (a cancel that lands inside the client's connect may be absorbed: `_closed` ends it too)
         if loops or self._tasks:
@@ -338,10 +356,82 @@ class StateStore:
             except Exception as e:
                 self.down("renew", e)
 
+    # ---- budgets' running totals ----
+    def add_usage(self, key: str, day: int, requests: int, tokens: int) -> None:
+        slot = self._to_add[(key, day)]
+        slot[0] += requests
+        slot[1] += tokens
+
+    async def _budget_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(BUDGET_INTERVAL)
+            await self._exchange_budgets()
+
+    async def _exchange_budgets(self) -> None:
+        """Add this process's new records, read every replica's totals of the
+        tracked keys for this month: one pipelined round trip."""
+        book = self.budgets
+        if book is None or not self.up:
+            return
+        from server.usage.periods import month_days
+
+        first, _ = month_days(time.time())
+        adds, self._to_add = self._to_add, defaultdict(lambda: [0, 0])
+        keys = book.tracked
+        if not adds and not keys:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for (key, day), (r, t) in adds.items():
+                h = _budget_key(key, _month_of(day, first))
+                pipe.hincrby(h, f"{day}:r", r)
+                pipe.hincrby(h, f"{day}:t", t)
+                pipe.expire(h, BUDGET_TTL)
+            for key in keys:
+                pipe.hgetall(_budget_key(key, first))
+            out = await asyncio.wait_for(pipe.execute(raise_on_error=False), self.timeout * 4)
+        except Exception as e:
+            for k, (r, t) in adds.items():  # again next time
+                self.add_usage(*k, r, t)
+            self.down("budgets", e)
+            return
+        if any(isinstance(r, Exception) for r in out[: len(out) - len(keys)]):
+            logger.warning("state store: a budget total did not take an addition (another program wrote it?)")
+        shared: dict[str, dict[int, list[int]]] = {}
+        for key, fields in zip(keys, out[len(out) - len(keys):], strict=True):
+            days: dict[int, list[int]] = {}
+            if isinstance(fields, Exception):
+                logger.warning("state store: the budget totals of key %r did not parse (%s); treated as absent",
+                               key, fields)
+                fields = {}
+            for field, value in fields.items():
+                try:
+                    day_s, kind = str(field).split(":")
+                    slot = days.setdefault(int(day_s), [0, 0])
+                    slot[0 if kind == "r" else 1] = int(value)
+                except ValueError:
+                    logger.warning("state store: budget total %s=%r of key %r did not parse; ignored",
+                                   field, value, key)
+            shared[key] = days
+        book.shared = shared
+
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _budget_key(name: str, month_first_day: int) -> str:
+    return f"{PREFIX}:{{{name.replace('}', '_')}}}:b:{month_first_day}"
+
+
+def _month_of(day: int, this_month_first: int) -> int:
+    """The first day of `day`'s month (days since 1970)."""
+    if day >= this_month_first:
+        return this_month_first
+    from server.usage.periods import DAY, month_days
+
+    return month_days(day * DAY)[0]
 
 
 class _UpCollector(Collector):

@@ -277,3 +277,41 @@ def test_good_state_urls() -> None:
                 "redis://valkey"):
         assert check_state_url(url) == url
     assert Settings(state_url="none").state_url is None
+
+
+@pytest.mark.asyncio
+async def test_budget_totals_are_shared_by_replicas_with_their_own_ledgers(replicas, raw, caplog) -> None:  # type: ignore[no-untyped-def]
+    from server.usage.budgets import BudgetBook
+    from server.usage.periods import day_of, month_days
+
+    e = key("frank", requests_per_day=3)
+    a, b = await replicas(2)
+    books = [BudgetBook([e]), BudgetBook([e])]
+    for r, book in zip((a, b), books, strict=True):
+        r.store.attach_budgets(book)
+    now = time.time()
+    books[0].recorded("frank", now, 1, 10)
+    books[0].recorded("frank", now, 1, 10)
+    books[1].recorded("frank", now, 1, 5)
+    books[1].admit(e)  # b alone has seen 1 of 3
+    books[1].release("frank")
+    for r in (a, b, a, b):
+        await r.store._exchange_budgets()
+    assert books[1].used("frank", now)["requests_per_day"] == 3
+    assert books[1].used("frank", now)["tokens_per_day"] == 25
+    with pytest.raises(RateLimited, match="requests_per_day is 3 and 3 are used"):
+        books[1].admit(e)
+    # the ledger's count wins where it is larger (a store restarted empty)
+    await raw.flushdb()
+    await b.store._exchange_budgets()
+    assert books[1].used("frank", now)["requests_per_day"] == 1  # b's own pending record
+    # a total another program overwrote: ignored and logged, never an error
+    first, _ = month_days(now)
+    await raw.hset(f"npugw:{{frank}}:b:{first}", mapping={f"{day_of(now)}:r": "many"})
+    with caplog.at_level(logging.WARNING, logger="server.state_store"):
+        await b.store._exchange_budgets()
+    assert "did not parse" in caplog.text
+    await raw.set(f"npugw:{{frank}}:b:{first}", "a string")
+    with caplog.at_level(logging.WARNING, logger="server.state_store"):
+        await b.store._exchange_budgets()
+    assert "treated as absent" in caplog.text and b.store.available()
