@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -195,6 +195,7 @@ class Hold:
     name: str
     id: str
     leased: bool
+    reserved: int  # tokens charged at admission; 0 when the key has no tokens_per_minute
 
 
 def _keys(name: str) -> tuple[str, str, str]:
@@ -309,7 +310,7 @@ class StateStore:
         self, name: str, rpm: int, tpm: int, conc: int, tokens: int, window: float
     ) -> tuple[Decision, Hold]:
         """One round trip. Raises on a store failure (the caller falls back)."""
-        rid = uuid.uuid4().hex
+        rid = os.urandom(12).hex()
         keys = _keys(name)
         try:
             r = await asyncio.wait_for(
@@ -325,7 +326,7 @@ class StateStore:
         d = Decision(ok=bool(int(r[0])), why=int(r[1]), retry=max(0.0, int(r[2]) / 1000), requests=int(r[3]),
                      token_sum=int(float(r[4])), requests_reset=max(0.0, int(r[5]) / 1000),
                      tokens_reset=max(0.0, int(r[6]) / 1000), leases=int(r[7]))
-        hold = Hold(name, rid, leased=d.ok and conc > 0)
+        hold = Hold(name, rid, leased=d.ok and conc > 0, reserved=tokens if tpm else 0)
         if hold.leased:
             self.leases[rid] = keys[2]
         return d, hold
@@ -333,6 +334,8 @@ class StateStore:
     def settle(self, hold: Hold, tokens: int) -> None:
         """The request ended: its real token count, its lease freed (in the background)."""
         self.leases.pop(hold.id, None)
+        if not hold.leased and (not hold.reserved or tokens == hold.reserved):
+            return  # nothing to release, nothing to correct: no round trip
         _, tok, lease = _keys(hold.name)
         self._spawn(self._call_settle([tok, lease], [hold.id, tokens]))
 
