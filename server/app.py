@@ -79,6 +79,11 @@ def create_app(
     mp_registry = multiprocess_registry(registry)
     holder: dict[str, Gateway] = {}
     access_log, tracing = _observability(settings)
+    state_store = None
+    if settings.state_url is not None:
+        from server.state_store import StateStore
+
+        state_store = StateStore(settings.state_url, settings.state_timeout, settings.state_lease_ttl, registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,7 +95,7 @@ def create_app(
 
             served = build_served_pools(settings, EngineMetrics(registry, settings.max_model_len or 8192))
         gw = Gateway(settings, served)
-        gw.limits = Limits(gw_metrics)
+        gw.limits = Limits(gw_metrics, state_store, settings.state_fail)  # state_store: --state-url
         gw.limits.budgets = app.state.usage.budgets  # server/usage: the keys' budgets at admission
         holder["gw"] = gw
         app.state.gateway = gw
@@ -108,6 +113,9 @@ def create_app(
             tracing.start()
         try:
             await start_usage(app)  # the usage ledger: migrations, budgets from the database, its writer
+            if state_store is not None:
+                state_store.attach_budgets(app.state.usage.budgets)  # budgets' running totals, shared
+                await state_store.start()  # unreachable: follows --state-fail, probes until it answers
             await asyncio.gather(*(start(p) for p in gw.pools))
             await lora.start_lora(app, gw)  # adapters first: aliases may name them
             routing_admin.start_routing(app, gw)  # aliases and fallbacks over started pools; SIGHUP reloads
@@ -126,6 +134,8 @@ def create_app(
             gw.draining = True
             await asyncio.gather(*(p.stop(settings.shutdown_timeout) for p in started))
             await stop_usage(app)  # the usage ledger writes (or spools) what is left
+            if state_store is not None:
+                await state_store.close()
             if monitor is not None:
                 await monitor.stop()
             if tracing is not None:

@@ -187,8 +187,27 @@ class Settings(BaseSettings):
     )
     responses_db: str | None = Field(
         None,
-        description="stored /v1/responses: a SQLite file, or an SQLAlchemy async URL "
-        "(sqlite+aiosqlite:///PATH); default DATA_DIR/responses.db; 'none' stores nothing",
+        description="stored /v1/responses: a SQLite file, postgresql://USER:PASSWORD@HOST:PORT/DB (shared by "
+        "replicas: each sees the others' responses) or an SQLAlchemy async URL; default DATA_DIR/responses.db; "
+        "'none' stores nothing",
+    )
+    # --- limits shared by replicas (server/state_store.py) ---
+    state_url: str | None = Field(
+        None,
+        description="Valkey/Redis that holds the keys' per-minute limits and concurrency leases for every "
+        "process and replica: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... (TLS) or unix:///PATH.sock; "
+        "unset: limits count in each process",
+    )
+    state_fail: Literal["open", "closed"] = Field(
+        "open",
+        description="while the --state-url store does not answer: open (count in this process, warn once a "
+        "minute) or closed (503 + Retry-After for keys with limits)",
+    )
+    state_timeout: float = Field(0.25, gt=0, le=10, description="seconds a call to the --state-url store may take")
+    state_lease_ttl: float = Field(
+        10.0, gt=0, le=60,
+        description="seconds a concurrency lease outlives its last renewal (a killed replica's leases lapse "
+        "within it)",
     )
     # --- the usage ledger and budgets (server/usage) ---
     usage_db: str | None = Field(
@@ -270,6 +289,15 @@ class Settings(BaseSettings):
         if isinstance(v, str):
             return [s for s in (p.strip() for p in v.split(",")) if s]
         return v
+
+    @field_validator("state_url")
+    @classmethod
+    def _state_url(cls, v: str | None) -> str | None:
+        from server.state_store import check_state_url
+
+        if v is None or not v.strip() or v.strip().lower() == "none":
+            return None
+        return check_state_url(v.strip())
 
     @field_validator("trusted_proxies")
     @classmethod
