@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from engine_adapter.errors import DeadlineUnmeetable, EngineDead, QueueFull, QueueTimeout, ShuttingDown
@@ -45,6 +46,7 @@ class Admission:
         self.stats = QueueStats()
         self.counters = PoolCounters()
         self._seq = itertools.count()
+        self.running_by_tenant: Counter[str] = Counter()
 
     def drain(self) -> None:
         """Every queued request is refused (the server shuts down)."""
@@ -76,6 +78,7 @@ class Admission:
             w = self._pick(key)
             if w is not None:
                 w.in_flight += 1
+                self.running_by_tenant[tenant] += 1
                 self.counters.dispatched += 1
                 self.stats.waited(tenant, 0.0)
                 return w
@@ -105,7 +108,7 @@ class Admission:
             priority, next(self._seq), loop.create_future(), now, tenant=tenant, cost=cost, key=key,
             ttft_deadline=ttft, estimate=estimate,
         )
-        self.queue.push(waiter)
+        self.queue.push(waiter, running=self.running_by_tenant[tenant] > 0)
         limits = [self.max_queue_wait]
         if deadline is not None:
             limits.append(max(0.0, deadline - now))
@@ -134,7 +137,7 @@ class Admission:
         except asyncio.CancelledError:
             self._forget(waiter)
             if waiter.future.done() and not waiter.future.cancelled() and not waiter.future.exception():
-                self.give_back(waiter.future.result())
+                self.give_back(waiter.future.result(), tenant=tenant)
             raise
         return w
 
@@ -152,12 +155,17 @@ class Admission:
             waiter.cancelled = True
             self.queue.remove(waiter)
 
-    def give_back(self, w: Worker, cost: int = 0) -> None:
+    def give_back(self, w: Worker, cost: int = 0, tenant: str = "") -> None:
         """A slot of `w` is free again (after work of `cost`): it goes to the
         next waiter."""
         busy = bool(self.queue) or all(x.free == 0 for x in self.workers if x.alive)
         self.stats.rate.served(time.monotonic(), cost, busy)
         w.in_flight -= 1
+        left = self.running_by_tenant[tenant] - 1
+        if left > 0:
+            self.running_by_tenant[tenant] = left
+        else:
+            del self.running_by_tenant[tenant]
         self.dispatch(w)
 
     def dispatch(self, w: Worker) -> None:
@@ -171,6 +179,7 @@ class Admission:
                 continue
             target = self._pick(waiter.key) or w
             target.in_flight += 1
+            self.running_by_tenant[waiter.tenant] += 1
             self.counters.dispatched += 1
             now = time.monotonic()
             waited = now - waiter.enqueued

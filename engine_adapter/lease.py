@@ -73,6 +73,7 @@ class Slot:
 
     worker: Worker
     cost: int = 0  # the queue's estimated cost of its request (engine_adapter/scheduler.py)
+    tenant: str = ""  # its API key name
     released: bool = False
     opened: Any = None  # a relayed call the node accepted (backends/remote.py Opened)
 

@@ -332,7 +332,7 @@ class WorkerPool:
                 w = await self.admission.take(
                     r.priority, r.deadline, key, tenant=r.api_key_name or "", cost=cost, ttft=r.ttft_deadline
                 )
-                held.append((r, Slot(w, cost=cost)))
+                held.append((r, Slot(w, cost=cost, tenant=r.api_key_name or "")))
         except BaseException:
             for _, slot in held:
                 self._release_slot(slot)
@@ -348,7 +348,7 @@ class WorkerPool:
             await self.admission.take(
                 call.priority, call.deadline, tenant=call.api_key_name or "", cost=cost, ttft=call.ttft_deadline
             ),
-            cost=cost,
+            cost=cost, tenant=call.api_key_name or "",
         )
         try:
             slot.opened = await slot.worker.engine.open(call, session)  # type: ignore[attr-defined]
@@ -363,7 +363,7 @@ class WorkerPool:
             slot.released = True
             if slot.opened is not None:
                 slot.opened.close()  # never relayed: the node sees the disconnect
-            self.admission.give_back(slot.worker, slot.cost)
+            self.admission.give_back(slot.worker, slot.cost, slot.tenant)
 
     # ---- generation ----------------------------------------------------
     async def generate(
@@ -402,4 +402,4 @@ class WorkerPool:
             raise
         finally:
             self.runner.end()
-            self.admission.give_back(w)
+            self.admission.give_back(w, tenant=req.api_key_name or "")

@@ -8,7 +8,9 @@ robin (DRR, Shreedhar and Varghese) on each request's estimated cost (prompt
 tokens + max_tokens): each visit gives a tenant `quantum x weight` of credit,
 and it sends requests while its credit covers their cost, in arrival order.
 A tenant whose sub-queue empties loses its credit, so an idle key saves no
-credit for later. Every tenant with queued work gets credit every round, so
+credit for later; when it queues again it goes next in the round (DRR++, as
+FQ-CoDel treats new flows), so a key that sends one request at a time waits
+for one slot turnover behind a flood, not a whole round. Every tenant with queued work gets credit every round, so
 a key with weight 1 among keys with weight 100 still progresses (starvation
 cannot happen). `fifo` puts everyone in one sub-queue: priority, then
 arrival, the old order.
@@ -31,7 +33,12 @@ from engine_adapter.workers import Worker
 
 Policy = Literal["fair", "fifo"]
 POLICIES: tuple[Policy, ...] = ("fair", "fifo")
-QUANTUM = 256  # credit per DRR round at weight 1, in cost units (tokens)
+# Credit per DRR round at weight 1, in cost units (tokens). Small: a key gets
+# one request per turn, not a quantum's worth (a flood of short requests
+# would otherwise leave several at a time); rounds in which nobody's credit
+# covers its next request are skipped in one step, so a small quantum costs
+# no loop iterations.
+QUANTUM = 1
 
 
 def request_cost(req: GenerationRequest) -> int:
@@ -67,15 +74,23 @@ class Waiter:
 
 @dataclass(slots=True)
 class _Band:
-    """One priority value: a sub-queue per tenant and the DRR state."""
+    """One priority value: a sub-queue per tenant and the DRR state. Tenants
+    with work are in `new` (queued since their sub-queue was last empty, not
+    yet had a turn) or `old`; `new` is served first."""
 
     queues: dict[str, deque[Waiter]] = field(default_factory=dict)
-    ring: deque[str] = field(default_factory=deque)  # tenants with work, in service order
+    new: deque[str] = field(default_factory=deque)
+    old: deque[str] = field(default_factory=deque)
     deficit: dict[str, float] = field(default_factory=dict)
-    credited: bool = False  # the tenant at the head of `ring` got its credit for this visit
+    turn: str | None = None  # the tenant that got its credit for the current visit
 
     def copy(self) -> _Band:
-        return _Band({t: deque(q) for t, q in self.queues.items()}, deque(self.ring), dict(self.deficit), self.credited)
+        return _Band({t: deque(q) for t, q in self.queues.items()}, deque(self.new), deque(self.old),
+                     dict(self.deficit), self.turn)
+
+    @property
+    def empty(self) -> bool:
+        return not self.queues
 
 
 class FairQueue:
@@ -117,7 +132,9 @@ class FairQueue:
         return sum(w.cost for w in self.waiters())
 
     # ---- changes -------------------------------------------------------
-    def push(self, w: Waiter) -> None:
+    def push(self, w: Waiter, running: bool = False) -> None:
+        """Queue `w`; `running`: its tenant has requests running already (a
+        tenant new to the band goes ahead of the others only when not)."""
         band = self._bands.get(w.priority)
         if band is None:
             band = self._bands[w.priority] = _Band()
@@ -125,7 +142,10 @@ class FairQueue:
         q = band.queues.get(sub)
         if q is None:
             q = band.queues[sub] = deque()
-            band.ring.append(sub)
+            # a key with nothing queued nor running goes ahead of the keys
+            # that keep a queue (DRR++, as FQ-CoDel's new flows): a key
+            # sending one request at a time waits one slot turnover, not a round
+            (band.old if running else band.new).append(sub)
             band.deficit[sub] = 0.0
         q.append(w)
         self._len += 1
@@ -138,7 +158,7 @@ class FairQueue:
         prio = min(self._bands)
         band = self._bands[prio]
         w = self._pop_band(band)
-        if not band.ring:
+        if band.empty:
             del self._bands[prio]
         self._len -= 1
         return w
@@ -158,7 +178,7 @@ class FairQueue:
         self._len -= 1
         if not q:
             self._drop(band, sub)
-            if not band.ring:
+            if band.empty:
                 del self._bands[w.priority]
         return True
 
@@ -224,18 +244,19 @@ class FairQueue:
     def _drop(self, band: _Band, sub: str) -> None:
         del band.queues[sub]
         del band.deficit[sub]
-        if band.ring and band.ring[0] == sub:
-            band.credited = False
-        band.ring.remove(sub)
+        if band.turn == sub:
+            band.turn = None
+        (band.new if sub in band.new else band.old).remove(sub)
 
     def _pop_band(self, band: _Band) -> Waiter:
-        visits = 0
+        misses = 0
         while True:
-            t = band.ring[0]
+            ring = band.new if band.new else band.old
+            t = ring[0]
             q = band.queues[t]
-            if not band.credited:
+            if band.turn != t:
                 band.deficit[t] += self.quantum * self.weight(t)
-                band.credited = True
+                band.turn = t
             head = q[0]
             if band.deficit[t] >= head.cost:
                 band.deficit[t] -= head.cost
@@ -243,18 +264,19 @@ class FairQueue:
                 if not q:
                     self._drop(band, t)
                 return head
-            band.ring.rotate(-1)
-            band.credited = False
-            visits += 1
-            if visits >= len(band.ring):
+            ring.popleft()  # its turn is over: to the end of the round
+            band.old.append(t)
+            band.turn = None
+            misses += 1
+            if not band.new and misses >= len(band.old):
                 # a whole round and nobody's credit covers its next request:
                 # give every tenant the rounds the nearest one still needs
                 # but one (it gets that one when the scan reaches it)
                 rounds = min(
                     math.ceil((band.queues[s][0].cost - band.deficit[s]) / (self.quantum * self.weight(s)))
-                    for s in band.ring
+                    for s in band.old
                 )
                 if rounds > 1:
-                    for s in band.ring:
+                    for s in band.old:
                         band.deficit[s] += (rounds - 1) * self.quantum * self.weight(s)
-                visits = 0
+                misses = 0
