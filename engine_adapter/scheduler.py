@@ -8,9 +8,10 @@ robin (DRR, Shreedhar and Varghese) on each request's estimated cost (prompt
 tokens + max_tokens): each visit gives a tenant `quantum x weight` of credit,
 and it sends requests while its credit covers their cost, in arrival order.
 A tenant whose sub-queue empties loses its credit, so an idle key saves no
-credit for later; when it queues again it goes next in the round (DRR++, as
-FQ-CoDel treats new flows), so a key that sends one request at a time waits
-for one slot turnover behind a flood, not a whole round. Every tenant with queued work gets credit every round, so
+credit for later. A key with nothing queued nor running is new: it goes
+ahead of the keys that keep a queue, and its first turn covers its first
+request (DRR++, as FQ-CoDel treats new flows), so a key that sends one
+request at a time waits one slot turnover behind a flood, not a round. Every tenant with queued work gets credit every round, so
 a key with weight 1 among keys with weight 100 still progresses (starvation
 cannot happen). `fifo` puts everyone in one sub-queue: priority, then
 arrival, the old order.
@@ -254,10 +255,12 @@ class FairQueue:
             ring = band.new if band.new else band.old
             t = ring[0]
             q = band.queues[t]
+            head = q[0]
             if band.turn != t:
                 band.deficit[t] += self.quantum * self.weight(t)
+                if ring is band.new:  # a new key's first turn covers its first request
+                    band.deficit[t] = max(band.deficit[t], head.cost)
                 band.turn = t
-            head = q[0]
             if band.deficit[t] >= head.cost:
                 band.deficit[t] -= head.cost
                 q.popleft()

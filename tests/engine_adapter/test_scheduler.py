@@ -116,11 +116,12 @@ def test_switching_policy_keeps_every_waiter() -> None:
 
 def test_a_key_new_to_the_queue_goes_ahead_of_keys_that_keep_one() -> None:
     q = FairQueue("fair", quantum=1)
+    q.weights = {"flood": 50.0}  # even a heavier key waits for a new key's first request
     fill(q, [("flood", 4)])
     assert q.pop() is not None  # the flood's key had its turn: it keeps a queue
     fill(q, [("c", 1), ("d", 1)])  # new keys, in arrival order, before the flood's next
     q.push(waiter("busy", 99), running=True)  # a key with requests running is not new
-    assert order(q) == ["c", "d", "flood", "busy", "flood", "flood"]
+    assert order(q) == ["c", "d", "flood", "flood", "flood", "busy"]  # then by weight
 
 
 def test_upcoming_does_not_change_the_queue() -> None:
