@@ -11,7 +11,8 @@ A tenant whose sub-queue empties loses its credit, so an idle key saves no
 credit for later. A key with nothing queued nor running is new: it goes
 ahead of the keys that keep a queue, and its first turn covers its first
 request (DRR++, as FQ-CoDel treats new flows), so a key that sends one
-request at a time waits one slot turnover behind a flood, not a round. Every tenant with queued work gets credit every round, so
+request at a time waits one slot turnover behind a flood, not a round.
+Every tenant with queued work gets credit every round, so
 a key with weight 1 among keys with weight 100 still progresses (starvation
 cannot happen). `fifo` puts everyone in one sub-queue: priority, then
 arrival, the old order.
