@@ -38,7 +38,6 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     BENCH,
-    GATEWAY,
     MAIN_PY,
     MODEL_DIR,
     MODEL_NAME,
@@ -67,7 +66,7 @@ def server(target: str, args: argparse.Namespace, folder: Path) -> Server:
     common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
               "--dtype", "bfloat16", "--enforce-eager"]
     if target in ("fair", "fifo"):
-        argv = [str(GATEWAY), "serve", "--port", str(port), "--model", str(args.model), "--served-model-name",
+        argv = [str(MAIN_PY), "-m", "server.cli", "serve", "--port", str(port), "--model", str(args.model), "--served-model-name",
                 MODEL_NAME, "--device", "cpu", "--log-level", "warning", "--embedding-model", "none",
                 "--api-keys-file", str(keys_file(folder)), "--queue-policy", target, "--max-queue-size", "4096",
                 "--max-queue-wait", "600", *common]
