@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--c-tokens", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=60.0, help="(b, c) seconds of arrivals")
     ap.add_argument("--cpu-bind", default=None)
-    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    ap.add_argument("--kv-cache-gib", type=int, default=1)
     ap.add_argument("--name", default="fairness")
     args = ap.parse_args(argv)
     results: dict[str, dict[str, Any]] = {}
