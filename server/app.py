@@ -26,6 +26,7 @@ from server.limits import Limits
 from server.metrics import GatewayMetrics, LoopCollector, PoolCollector
 from server.metrics_multiproc import AppRegistry, LiveExport, multiprocess_registry
 from server.middleware import GatewayMiddleware, RecordSink
+from server.queueing import QueueCollector, configure_queues
 from server.routes import (
     admin,
     chat,
@@ -36,6 +37,7 @@ from server.routes import (
     lora,
     messages,
     models,
+    queue,
     responses,
     routing_admin,
     tokenize,
@@ -95,6 +97,7 @@ def create_app(
 
             served = build_served_pools(settings, EngineMetrics(registry, settings.max_model_len or 8192))
         gw = Gateway(settings, served)
+        configure_queues(gw.pools, settings.queue_policy, app.state.keys.entries)  # fair share, the keys' weights
         gw.limits = Limits(gw_metrics, state_store, settings.state_fail)  # state_store: --state-url
         gw.limits.budgets = app.state.usage.budgets  # server/usage: the keys' budgets at admission
         holder["gw"] = gw
@@ -161,9 +164,10 @@ def create_app(
     registry.register(
         PoolCollector(lambda: holder["gw"].pools if "gw" in holder else [], gw_metrics.rejections)
     )
+    registry.register(QueueCollector(lambda: holder["gw"].pools if "gw" in holder else []))
     registry.register(LoopCollector())
     install_error_handlers(app)
-    for r in (chat, completions, responses, messages, generate, embeddings, models, tokenize, health, admin):
+    for r in (chat, completions, responses, messages, generate, embeddings, models, tokenize, health, admin, queue):
         app.include_router(r.router)
     routing_admin.setup_routing(app, registry)  # /admin/routes, upstream metrics
     lora.setup_lora(app, registry)  # /v1/load_lora_adapter, /v1/unload_lora_adapter, per-adapter metrics

@@ -39,6 +39,7 @@ from server.ask import RouteAsk, engine_trace
 from server.auth import Principal
 from server.errors import ClientDisconnected, error_event, error_response
 from server.limits import Admission
+from server.queueing import ttft_deadline, with_deadline
 from server.render import Choice, usage
 from server.state import Gateway, ServedModel
 
@@ -247,6 +248,7 @@ async def admit(
         budget = sum(len(r.prompt_token_ids) + r.sampling.max_tokens * r.sampling.n for r in ask)
     else:
         budget = ask.budget()
+    ask = with_deadline(ask, ttft_deadline(request, principal))  # a bad header is a 400 here, before any limit
     note = request.scope.setdefault("state", {})
     note.update(key=principal.name, model=model.id, t_admit=time.perf_counter())
     admission = await gw.limits.admit(principal, model.id, budget)

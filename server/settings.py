@@ -143,6 +143,12 @@ class Settings(BaseSettings):
     num_workers: int = Field(1, ge=1, description="engine instances per model")
     max_queue_size: int = Field(1024, ge=0, description="in-process queue bound per model")
     max_queue_wait: float = Field(60.0, gt=0, description="seconds a request may wait for an engine slot")
+    queue_policy: Literal["fair", "fifo"] = Field(
+        "fair",
+        description="order inside one priority: `fair` shares slots between API keys by weighted deficit round "
+        "robin on estimated cost (each key's `weight` in the keys file), `fifo` serves in arrival order. "
+        "A SIGHUP reload of --config may switch it; queued requests stay queued",
+    )
     request_timeout: float = Field(600.0, gt=0, description="seconds a whole request may take")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds to drain in-flight requests on SIGTERM")
     readiness_interval: float = Field(5.0, gt=0, description="seconds between readiness probes")
