@@ -101,7 +101,7 @@ class RemoteEngine:
     async def health(self) -> None:
         now = time.monotonic()
         if not any(ep.usable(now, self.upstream.cfg.cooldown) for ep in self.upstream.endpoints):
-            raise ServiceUnavailable(f"upstream {self.upstream.cfg.name!r}: every URL is ejected", retry_after=1)
+            raise self.upstream.refusal()
 
     def stats(self) -> EngineStats:
         return EngineStats(running=len(self._open), unfinished=len(self._open))
@@ -132,13 +132,13 @@ class RemoteEngine:
         key = up.policy.key_for_body(call.body, session, call.node_model) if len(up.endpoints) > 1 else None
         while True:
             try:
-                ep = up.pick(exclude=tried, key=key)
+                ep = up.pick(exclude=tried, key=key, model=call.node_model)
             except ServiceUnavailable:
                 if last is not None:
                     raise last from None
                 raise
             tried.append(ep)
-            node_model = call.node_model or up.model_for(ep)  # a LoRA adapter: its name on the node
+            node_model = call.node_model or up.model_for(ep, call.path)  # an adapter's or discovered model's id
             body = dict(call.body)
             body["model"] = node_model
             joined = generation and not call.stream and up.cfg.plain == "stream"
