@@ -101,7 +101,9 @@ class RemoteEngine:
     async def health(self) -> None:
         now = time.monotonic()
         if not any(ep.usable(now, self.upstream.cfg.cooldown) for ep in self.upstream.endpoints):
-            raise self.upstream.refusal()
+            # short: the readiness probe logs it at each interval; the reason itself
+            # is logged once by the health checks, and a refusal carries it
+            raise ServiceUnavailable(f"upstream {self.upstream.cfg.name!r}: every URL is ejected", retry_after=1)
 
     def stats(self) -> EngineStats:
         return EngineStats(running=len(self._open), unfinished=len(self._open))

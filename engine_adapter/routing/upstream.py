@@ -107,10 +107,13 @@ def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:
     """`NAME=URL[,URL...][;option=value...]`; options name UpstreamConfig
     fields. Without `NAME=` (`URL[,URL...][;option=value...]`): every model
     the nodes list (`;model=*`), the upstream named after its first URL."""
-    if spec.lstrip().startswith(("http://", "https://")):
-        head, sep, opts = spec.partition(";")
-        spec = f"{_label(head)}={head}{sep}{opts}" + ("" if "model=" in opts.replace(" ", "") else ";model=*")
+    given, unnamed = spec, spec.lstrip().startswith(("http://", "https://"))
+    if unnamed:
+        head, _, opts = spec.partition(";")
+        spec = f"{_label(head)}={head};model=*;{opts}"
     e = parse_entry(spec, "upstream", "[NAME=]URL[,URL...][;option=value...]", options=(*_NUMBERS, *_TEXTS))
+    if unnamed and e.options["model"] != EVERY_MODEL:
+        raise ValueError(f"upstream {given!r}: ;model=ID needs a name: NAME=URL;model=ID")
     name = e.name
     found = [u.rstrip("/") for u in e.items]
     for u in found:
