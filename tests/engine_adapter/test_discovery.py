@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 from sim_app import serve
-from support import free_port, wait_until
+from support import free_port, metric_value, wait_until
 
 from engine_adapter.routing.node_models import NotListed, choose, read_listing
 from engine_adapter.routing.upstream import parse_upstream
@@ -160,6 +160,10 @@ async def test_discovery_serves_every_listed_model_and_shares_an_id_between_node
         routes = (await client.get("/admin/routes", headers=ADMIN)).json()["upstreams"]
         assert routes[0]["upstream"] == a.url.removeprefix("http://")
         assert [sorted(u["serves"]) for u in routes[0]["urls"]] == [sorted([GEN, EMB]), [GEN]]
+        metrics = (await client.get("/metrics")).text
+        label = a.url.removeprefix("http://")
+        assert metric_value(metrics, "npugw_upstream_listed_models", upstream=label, url=a.url) == 2
+        assert metric_value(metrics, "npugw_upstream_listed_models", upstream=label, url=b.url) == 1
 
 
 @pytest.mark.asyncio
@@ -222,3 +226,30 @@ async def test_a_node_that_lists_nothing_or_garbage_takes_no_traffic_and_says_wh
     finally:
         await bad.stop()
         await empty.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_taken_name_is_not_taken_over_and_an_alias_keeps_a_gone_model_with_the_reason(
+    nodes: list[FakeNode], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = nodes
+    caplog.set_level(logging.INFO)
+    settings = front(f"{GEN}={b.url}", a.url)  # GEN is a named upstream already: a's GEN is not served from a
+    settings.alias = [f"embedder={EMB}"]
+    async with serve(None, settings) as (client, app):
+        gw = app.state.gateway
+        for _ in range(2):
+            r = await client.post("/v1/chat/completions", json={"model": GEN, "messages": MSGS})
+            assert r.status_code == 200
+        assert len(b.calls) == 2 and a.calls == []
+        assert caplog.text.count(f"model {GEN} listed by upstream {a.url.removeprefix('http://')}: the name is "
+                                 "served here already") == 1
+        r = await client.post("/v1/embeddings", json={"model": "embedder", "input": "x"})
+        assert r.status_code == 200 and a.calls[-1] == ("/v1/embeddings", EMB)
+        a.listing = [GATEWAY_CARDS[0]]  # EMB disappears, but the alias names it
+        await wait_until(lambda: "no upstream node lists it any more; still served for the aliases" in caplog.text,
+                         what="the gone model to be kept for its alias")
+        assert EMB in gw.models
+        r = await client.post("/v1/embeddings", json={"model": EMB, "input": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "upstream_model_unlisted", r.text
+        assert f"no URL lists model {EMB!r} now" in r.json()["error"]["message"]
