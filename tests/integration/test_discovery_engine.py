@@ -66,8 +66,8 @@ def test_chat_stream_and_embeddings_by_discovery_equal_the_node(tier: dict[str, 
     direct = openai.OpenAI(base_url=tier["node"].url + "/v1", api_key="x", max_retries=0, timeout=120)
     a = via.chat.completions.create(model=EMBEDDED, messages=PARIS, temperature=0, max_tokens=20)  # type: ignore[arg-type]
     b = direct.chat.completions.create(model=EMBEDDED, messages=PARIS, temperature=0, max_tokens=20)  # type: ignore[arg-type]
-    assert a.model == EMBEDDED and "Paris" in (a.choices[0].message.content or "")
-    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.model == EMBEDDED and a.choices[0].message.content
+    assert a.choices[0].message.content == b.choices[0].message.content  # greedy: the node's own answer
     parts = []
     for chunk in via.chat.completions.create(model=EMBEDDED, messages=PARIS, temperature=0, max_tokens=20,  # type: ignore[arg-type]
                                              stream=True):
@@ -83,7 +83,9 @@ def test_chat_stream_and_embeddings_by_discovery_equal_the_node(tier: dict[str, 
 def test_a_named_upstream_sends_each_api_to_the_model_that_serves_it(tier: dict[str, GatewayProcess]) -> None:
     via = openai.OpenAI(base_url=tier["front"].url + "/v1", api_key="x", max_retries=0, timeout=120)
     chat = via.chat.completions.create(model="remote", messages=PARIS, temperature=0, max_tokens=20)  # type: ignore[arg-type]
-    assert chat.model == "remote" and "Paris" in (chat.choices[0].message.content or "")
+    direct = openai.OpenAI(base_url=tier["node"].url + "/v1", api_key="x", max_retries=0, timeout=120)
+    same = direct.chat.completions.create(model=EMBEDDED, messages=PARIS, temperature=0, max_tokens=20)  # type: ignore[arg-type]
+    assert chat.model == "remote" and chat.choices[0].message.content == same.choices[0].message.content
     emb = via.embeddings.create(model="remote", input=["A cat sits on the mat."])
     assert emb.model == "remote" and len(emb.data[0].embedding) == 384  # all-MiniLM-L6-v2's, not a 400
 
@@ -100,7 +102,7 @@ def test_a_model_added_to_the_node_is_picked_up_and_a_down_node_is_named(
     def refused() -> bool:
         nonlocal r
         r = httpx.post(front.url + "/v1/chat/completions", json={"model": EMBEDDED, "messages": PARIS}, timeout=30)
-        return r.status_code == 503
+        return r.status_code == 503 and "every URL is ejected" in r.text  # once the health checks ejected it
 
     wait_until_sync(refused, timeout=30, what="the front to refuse while the node is down")
     assert r is not None
@@ -114,6 +116,6 @@ def test_a_model_added_to_the_node_is_picked_up_and_a_down_node_is_named(
     print(f"node restarted with one more model, picked up after {time.monotonic() - t0:.1f} s")
     via = openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0, timeout=120)
     answer = via.chat.completions.create(model="smol-b", messages=PARIS, temperature=0, max_tokens=20)  # type: ignore[arg-type]
-    assert answer.model == "smol-b" and "Paris" in (answer.choices[0].message.content or "")
+    assert answer.model == "smol-b" and answer.choices[0].message.content
     assert "lists model 'smol-b': routable" in front.log()
     assert via.chat.completions.create(model=EMBEDDED, messages=PARIS, max_tokens=5).choices  # type: ignore[arg-type]
