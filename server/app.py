@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from engine_adapter.metrics import EngineMetrics
 from engine_adapter.pool import WorkerPool
+from server import discovery
 from server.access_log import AccessLog, parse_proxies
 from server.auth import KeyStore
 from server.console import setup_console
@@ -120,6 +121,7 @@ def create_app(
                 state_store.attach_budgets(app.state.usage.budgets)  # budgets' running totals, shared
                 await state_store.start()  # unreachable: follows --state-fail, probes until it answers
             await asyncio.gather(*(start(p) for p in gw.pools))
+            discovery.start_discovery(app, gw)  # models the upstream nodes list, before aliases name them
             await lora.start_lora(app, gw)  # adapters first: aliases may name them
             routing_admin.start_routing(app, gw)  # aliases and fallbacks over started pools; SIGHUP reloads
             monitor = await start_device_monitor(settings, registry)
@@ -133,6 +135,7 @@ def create_app(
             if live_export is not None:
                 await live_export.stop()
             routing_admin.stop_routing(app)
+            discovery.stop_discovery(app)
             await lora.stop_lora(app)
             gw.draining = True
             await asyncio.gather(*(p.stop(settings.shutdown_timeout) for p in started))

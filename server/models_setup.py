@@ -241,7 +241,9 @@ def upstream_configs(settings: Settings) -> list[UpstreamConfig]:
 
 
 def build_remote_pools(settings: Settings) -> list[tuple[WorkerPool, tuple[str, ...], str]]:
-    """One pool per upstream: its slots bound the requests in flight to it."""
+    """One pool per upstream: its slots bound the requests in flight to it.
+    A discovering upstream's pool serves no name of its own: its models are
+    served as they are listed (server/discovery.py)."""
     from engine_adapter.backends.remote import build_remote_pool
 
     s = settings
@@ -251,7 +253,7 @@ def build_remote_pools(settings: Settings) -> list[tuple[WorkerPool, tuple[str, 
             cfg, slots_per_worker=s.max_num_seqs, max_queue_size=s.max_queue_size,
             max_queue_wait=s.max_queue_wait, readiness_interval=s.readiness_interval,
         )
-        out.append((pool, (cfg.name,), ",".join(cfg.urls)))
+        out.append((pool, () if cfg.discovers else (cfg.name,), ",".join(cfg.urls)))
     return out
 
 
@@ -295,14 +297,14 @@ def set_routing_policies(settings: Settings, served: list[tuple[WorkerPool, tupl
         balance_rel=s.routing_balance_rel_threshold,
     )
     for pool, names, _ in served:
-        name = next((per_model[n] for n in names if n in per_model), default)
+        name = next((per_model[n] for n in names or (pool.name,) if n in per_model), default)
         ups = upstreams_of([pool])
         for up in ups:
             up.policy = make_policy(name, opts, unit="bytes")
         if not ups:
             pool.policy = make_policy(name, opts)
         if name != "least-outstanding":
-            logger.info("model %s: routing policy %s", names[0], name)
+            logger.info("model %s: routing policy %s", pool.name, name)
 
 
 def canary_policy(settings: Settings) -> CanaryPolicy:

@@ -245,7 +245,9 @@ class Settings(BaseSettings):
     upstream: Entries = Field(
         default_factory=list,
         description="remote model NAME=URL[,URL...][;option=value...] (repeatable), passed through to its "
-        "nodes; options: model (the node's model id when it serves several), connect_timeout, read_timeout, "
+        "nodes; without NAME= (or with ;model=*): every model the nodes list, under its own id "
+        "(docs/upstream-discovery.md); options: model (the node's model id when it serves several; * for "
+        "every one), connect_timeout, read_timeout, "
         "health_interval, eject_after, cooldown, max_model_len, api_key_env, plain (direct: a non-streaming "
         "client's call goes as it came; stream: it is served from a streamed call joined back)",
     )
