@@ -217,6 +217,7 @@ class WorkerPool(Supervision, Running):
                 t.cancel()
         await cancel_and_wait(list(self._background))
         await asyncio.gather(*(w.engine.stop() for w in self.workers), return_exceptions=True)
+        await self.policy.close()
         for w in self.workers:
             w.alive = False
 

@@ -16,6 +16,7 @@ from contextlib import aclosing
 from engine_adapter.channel import END, TICK, Channel, Ticker
 from engine_adapter.errors import EngineDead, EngineError, GatewayError, RequestTimeout, ShuttingDown
 from engine_adapter.lease import Slot
+from engine_adapter.routing.policy import RoutingPolicy
 from engine_adapter.types import EngineOutput, GenerationRequest, RelayCall, RelayUsage
 from engine_adapter.workers import Worker
 
@@ -27,6 +28,7 @@ class Running:
     _accepting: bool
     _running: int
     _idle: asyncio.Event
+    policy: RoutingPolicy
 
     def _release_slot(self, slot: Slot) -> None:
         raise NotImplementedError
@@ -128,9 +130,13 @@ class Running:
 
     async def _pump(self, w: Worker, req: GenerationRequest, channel: Channel) -> None:
         put = channel.put
+        first = True
         try:
             async for out in w.engine.generate(req):
                 w.saw_output()
+                if first:  # what its prefix cache held: the routing policy's check
+                    first = False
+                    self.policy.observe(w.index, req.prompt_token_ids, out.cached_tokens)
                 put(out)
             w.last_ready = time.monotonic()
             put(END)
