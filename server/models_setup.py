@@ -18,7 +18,7 @@ from engine_adapter.model import EMBEDDED_EMBEDDING_NAME, EMBEDDED_MODEL_NAME, r
 from engine_adapter.pool import WorkerPool
 from engine_adapter.registry import ModelSpec, build_pool
 from engine_adapter.routing import CanaryPolicy, RouteSpec, RoutingMetrics, RoutingTable, ServedPool, route_specs
-from engine_adapter.routing.kv_events import local_sources
+from engine_adapter.routing.kv_events import local_sources, remote_kv_policy
 from engine_adapter.routing.policy import PolicyOptions, make_policy, parse_policies
 from engine_adapter.routing.upstream import UpstreamConfig, parse_upstream, upstreams_of
 from server.settings import Settings
@@ -286,7 +286,7 @@ def set_routing_policies(settings: Settings, served: list[tuple[WorkerPool, tupl
         name = next((per_model[n] for n in names if n in per_model), default)
         ups = upstreams_of([pool])
         for up in ups:
-            up.policy = make_policy(name, opts, unit="bytes")
+            up.policy = remote_kv_policy(up.cfg, opts) if name == "kv-events" else make_policy(name, opts, unit="bytes")
         if not ups:
             pool.policy = make_policy(name, opts, sources=local_sources(pool) if name == "kv-events" else None)
         if name != "least-outstanding":

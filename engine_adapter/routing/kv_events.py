@@ -206,6 +206,8 @@ class KvEventsPolicy(PrefixPolicy):
         self.accuracy = Accuracy()
         self._pending: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._tasks: dict[int, asyncio.Task[None]] = {}
+        # upstream nodes: a request body -> its prompt's token ids (None: not a plain prompt)
+        self.tokenize: Callable[[Mapping[str, Any]], list[int] | None] | None = None
 
     # ---- subscriptions ---------------------------------------------------
     def ensure_subscribed(self) -> None:
@@ -244,6 +246,19 @@ class KvEventsPolicy(PrefixPolicy):
             return _hasher(size, algo)
         except ValueError:
             return None
+
+    def key_for_body(self, body: Mapping[str, Any], session: str | None, adapter: str | None = None) -> RouteKey:
+        """Upstream nodes: the prompt's tokens from a local copy of the nodes'
+        tokenizer (`;tokenizer=`); without one, the JSON text (the guess)."""
+        ids = None
+        if self.tokenize is not None and adapter is None:
+            try:
+                ids = self.tokenize(body)
+            except Exception as e:  # a body the template refuses: the node will say so; route on the text
+                logger.debug("kv-events: cannot tokenize a request: %s", e)
+        if ids is None:
+            return super().key_for_body(body, session, adapter)
+        return self.key_for_tokens(ids, session, adapter)
 
     def key_for_tokens(self, token_ids: Sequence[int], session: str | None, adapter: str | None = None) -> RouteKey:
         base = super().key_for_tokens(token_ids, session, adapter)
@@ -392,3 +407,56 @@ def local_sources(pool: Any) -> dict[int, KvSource]:
 
         out[w.index] = KvSource(name=str(w.index), endpoint=pub, replay=replay, describe=describe)
     return out
+
+
+def remote_sources(kv_events: str, urls: Sequence[str]) -> dict[int, KvSource]:
+    """`;kv-events=PUB[|REPLAY],...`: one publisher per URL, in URL order
+    (the node's `--kv-events-config` endpoint, e.g. tcp://node:5557, and
+    its replay_endpoint). Block size from the events; sha256."""
+    out: dict[int, KvSource] = {}
+    for i, (spec, url) in enumerate(zip(kv_events.split(","), urls, strict=True)):
+        pub, _, replay = spec.strip().partition("|")
+        if not pub.startswith(("tcp://", "ipc://")) or (replay and not replay.startswith(("tcp://", "ipc://"))):
+            raise ValueError(f"kv-events {spec!r}: expected tcp://HOST:PORT or ipc://PATH[|REPLAY]")
+        out[i] = KvSource(name=url, endpoint=pub, replay=replay or None)
+    return out
+
+
+def body_tokenizer(folder: str) -> Callable[[Mapping[str, Any]], list[int] | None]:
+    """A request body -> the token ids a vLLM node makes of it: the chat
+    template (generation prompt added) of `messages`, or a completions
+    `prompt` string; None for anything else (tools, multimodal parts)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+
+    def tokenize(body: Mapping[str, Any]) -> list[int] | None:
+        msgs = body.get("messages")
+        if isinstance(msgs, list) and not body.get("tools"):
+            if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
+                return None
+            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            return list(tok(text, add_special_tokens=False).input_ids)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return list(tok(prompt).input_ids)
+        return None
+
+    return tokenize
+
+
+def remote_kv_policy(cfg: Any, opts: Any) -> KvEventsPolicy:
+    """kv-events over an upstream's URLs (an UpstreamConfig): their
+    publishers (`;kv-events=`) and tokenizer (`;tokenizer=`); without
+    either, the `prefix` guess on the request's text."""
+    from engine_adapter.routing.policy import make_policy
+
+    sources = remote_sources(cfg.kv_events, cfg.urls) if cfg.kv_events else None
+    p = make_policy("kv-events", opts, unit="tokens" if cfg.tokenizer else "bytes", sources=sources)
+    assert isinstance(p, KvEventsPolicy)
+    if cfg.tokenizer:
+        p.tokenize = body_tokenizer(cfg.tokenizer)
+    elif sources:
+        logger.warning("upstream %s: kv-events without ;tokenizer=FOLDER: the gateway cannot hash its prompts "
+                       "and routes on the prefix guess (the index is kept and exported)", cfg.name)
+    return p

@@ -392,7 +392,10 @@ class PolicyCollector(Collector):
             "request's JSON for upstream nodes).",
             labels=["model", "unit"],
         )
+        kv = []
         for model, p in self._policies():
+            if p.name == "kv-events":
+                kv.append((model, p))
             s = p.stats
             for reason in REASONS:
                 if s.decisions[reason]:
@@ -406,6 +409,10 @@ class PolicyCollector(Collector):
                 matched.add_metric([model, p.unit], buckets, s.match_sum)
         yield decisions
         yield matched
+        if kv:
+            from engine_adapter.routing.kv_metrics import kv_families
+
+            yield from kv_families(kv)  # type: ignore[arg-type]
 
 
 def policies_of(pools: Iterable[Any]) -> Iterator[tuple[str, RoutingPolicy]]:
