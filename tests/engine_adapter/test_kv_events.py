@@ -273,3 +273,57 @@ def test_an_adapter_is_routed_by_the_guess() -> None:
     key = p.key_for_tokens(META["prompts"]["A"], None, adapter="sql")
     assert isinstance(key, KvRouteKey) and not key.kv
     assert p.choose([0, 1], [0, 0], key) == 0
+
+
+# ---- metrics and the upstream option ----------------------------------------
+def test_metrics_per_engine_and_prediction() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from engine_adapter.routing.policy import PolicyCollector
+    from tests.support import metric_value
+
+    p = policy()
+    feed(p, 1, 0)
+    p.indexes[0].malformed += 1
+    p.indexes[0].drop("malformed")
+    p.choose([0, 1], [0, 0], p.key_for_tokens(META["prompts"]["A"], None))
+    p.observe(1, META["prompts"]["A"], 640)
+    reg = CollectorRegistry()
+    reg.register(PolicyCollector(lambda: [("smol", p)]))
+    text = generate_latest(reg).decode()
+    assert metric_value(text, "npugw_kv_index_blocks", model="smol", engine="1") == 5
+    assert metric_value(text, "npugw_kv_events_received_total", model="smol", engine="1") == 1
+    assert metric_value(text, "npugw_kv_events_malformed_total", model="smol", engine="0") == 1
+    assert metric_value(text, "npugw_kv_index_drops_total", model="smol", engine="0", reason="malformed") == 1
+    assert metric_value(text, "npugw_kv_index_healthy", model="smol", engine="0") == 0
+    assert metric_value(text, "npugw_kv_index_healthy", model="smol", engine="1") == 1
+    assert metric_value(text, "npugw_kv_predictions_total", model="smol", outcome="right") == 1
+    assert metric_value(text, "npugw_route_policy_decisions_total", model="smol", policy="kv-events",
+                        reason="kv_hit") == 1
+    assert metric_value(text, "npugw_kv_index_age_seconds", model="smol", engine="1") >= 0
+
+
+def test_upstream_kv_events_option() -> None:
+    from engine_adapter.routing.kv_events import remote_sources
+    from engine_adapter.routing.upstream import parse_upstream
+
+    cfg = parse_upstream("smol=http://a:8000,http://b:8000;kv-events=tcp://a:5557|tcp://a:5558,tcp://b:5557;"
+                         "tokenizer=/models/smol")
+    assert cfg.kv_events is not None and cfg.tokenizer == "/models/smol"
+    src = remote_sources(cfg.kv_events, cfg.urls)
+    assert src[0] == KvSource("http://a:8000", "tcp://a:5557", "tcp://a:5558", src[0].describe)
+    assert (src[1].endpoint, src[1].replay) == ("tcp://b:5557", None)
+    with pytest.raises(ValueError, match="one publisher per URL"):
+        parse_upstream("smol=http://a:8000,http://b:8000;kv-events=tcp://a:5557")
+    with pytest.raises(ValueError, match="expected tcp"):
+        remote_sources("http://a:5557", ["http://a:8000"])
+
+
+def test_body_tokens_give_the_same_key_as_local_tokens() -> None:
+    p = policy()
+    ids = META["prompts"]["A"]
+    p.tokenize = lambda body: ids if body.get("messages") else None
+    key = p.key_for_body({"messages": [{"role": "user", "content": "x"}]}, None)
+    assert isinstance(key, KvRouteKey) and key.hashes(p.hasher(0)) == tuple(hashes("A"))
+    plain = p.key_for_body({"input": "x" * 600}, None)
+    assert not isinstance(plain, KvRouteKey) or not plain.kv
