@@ -8,7 +8,7 @@ in one run.
 `kv-events` (issue 36): the engines publish vLLM's KV events; locally the
 gateway subscribes to its own engines, in the tier the nodes are started
 with `--engine-arg kv_events_config=...` on loopback TCP and the front is
-given `;kv-events=...;tokenizer=MODEL_DIR`. Reported besides: how often the
+given `;kv-events=...;kv-tokenizer=MODEL_DIR`. Reported besides: how often the
 index predicted the cached tokens the engine reported (local only: relayed
 answers are not read by the front).
 
@@ -152,7 +152,7 @@ class Setup:
             # each node runs --max-num-seqs at once: the fronts' routing hint
             slots = f";slots={a.max_num_seqs}" if a.front_slots else ""
             for p in a.policies:
-                kv = f";kv-events={','.join(self.kv_events)};tokenizer={MODEL_DIR}" if p == "kv-events" else ""
+                kv = f";kv-events={','.join(self.kv_events)};kv-tokenizer={MODEL_DIR}" if p == "kv-events" else ""
                 front = gateway(f"prefix_routing_front_{p}", [
                     "--model", "none", "--upstream", f"smol={ups};model={MODEL_NAME}{slots}{kv}", "--routing-policy", p,
                     "--max-queue-size", "512", "--max-queue-wait", "600", *policy_args(a, p)], timeout=120)

@@ -249,7 +249,9 @@ class KvEventsPolicy(PrefixPolicy):
 
     def key_for_body(self, body: Mapping[str, Any], session: str | None, adapter: str | None = None) -> RouteKey:
         """Upstream nodes: the prompt's tokens from a local copy of the nodes'
-        tokenizer (`;tokenizer=`); without one, the JSON text (the guess)."""
+        tokenizer (`;kv-tokenizer=`); without one, the JSON text (the guess)."""
+        with contextlib.suppress(RuntimeError):  # the index is kept (and exported) even without a tokenizer
+            self.ensure_subscribed()
         ids = None
         if self.tokenize is not None and adapter is None:
             try:
@@ -447,16 +449,16 @@ def body_tokenizer(folder: str) -> Callable[[Mapping[str, Any]], list[int] | Non
 
 def remote_kv_policy(cfg: Any, opts: Any) -> KvEventsPolicy:
     """kv-events over an upstream's URLs (an UpstreamConfig): their
-    publishers (`;kv-events=`) and tokenizer (`;tokenizer=`); without
+    publishers (`;kv-events=`) and tokenizer (`;kv-tokenizer=`); without
     either, the `prefix` guess on the request's text."""
     from engine_adapter.routing.policy import make_policy
 
     sources = remote_sources(cfg.kv_events, cfg.urls) if cfg.kv_events else None
-    p = make_policy("kv-events", opts, unit="tokens" if cfg.tokenizer else "bytes", sources=sources)
+    p = make_policy("kv-events", opts, unit="tokens" if cfg.kv_tokenizer else "bytes", sources=sources)
     assert isinstance(p, KvEventsPolicy)
-    if cfg.tokenizer:
-        p.tokenize = body_tokenizer(cfg.tokenizer)
+    if cfg.kv_tokenizer:
+        p.tokenize = body_tokenizer(cfg.kv_tokenizer)
     elif sources:
-        logger.warning("upstream %s: kv-events without ;tokenizer=FOLDER: the gateway cannot hash its prompts "
+        logger.warning("upstream %s: kv-events without ;kv-tokenizer=FOLDER: the gateway cannot hash its prompts "
                        "and routes on the prefix guess (the index is kept and exported)", cfg.name)
     return p

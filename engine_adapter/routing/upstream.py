@@ -78,9 +78,9 @@ class UpstreamConfig:
     plain: Literal["direct", "stream"] = "direct"  # how a non-streaming client's generation is called
     slots: int | None = None  # requests one URL runs at once (a routing hint); default: its /v1/models "slots"
     # --routing-policy kv-events: each URL's KV event publisher, in URL order, `PUB[|REPLAY]` comma-separated
-    # (routing/kv_events.py remote_sources), and a local tokenizer folder of the nodes' model
+    # (routing/kv_events.py remote_sources), and a local folder of the nodes' tokenizer to hash prompts with
     kv_events: str | None = None
-    tokenizer: str | None = None
+    kv_tokenizer: str | None = None
 
 
 
@@ -88,7 +88,7 @@ _NUMBERS: dict[str, Callable[[str], float | int]] = {
     "connect_timeout": float, "read_timeout": float, "health_interval": float,
     "cooldown": float, "eject_after": int, "max_model_len": int, "slots": int,
 }
-_TEXTS = ("model", "api_key_env", "api", "plain", "kv_events", "tokenizer")
+_TEXTS = ("model", "api_key_env", "api", "plain", "kv_events", "kv_tokenizer")
 
 
 def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:

@@ -308,8 +308,8 @@ def test_upstream_kv_events_option() -> None:
     from engine_adapter.routing.upstream import parse_upstream
 
     cfg = parse_upstream("smol=http://a:8000,http://b:8000;kv-events=tcp://a:5557|tcp://a:5558,tcp://b:5557;"
-                         "tokenizer=/models/smol")
-    assert cfg.kv_events is not None and cfg.tokenizer == "/models/smol"
+                         "kv-tokenizer=/models/smol")
+    assert cfg.kv_events is not None and cfg.kv_tokenizer == "/models/smol"
     src = remote_sources(cfg.kv_events, cfg.urls)
     assert src[0] == KvSource("http://a:8000", "tcp://a:5557", "tcp://a:5558", src[0].describe)
     assert (src[1].endpoint, src[1].replay) == ("tcp://b:5557", None)

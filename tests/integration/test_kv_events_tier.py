@@ -1,7 +1,7 @@
 """kv-events through a gateway tier: two real nodes (npu-gateway processes,
 one engine each, started with vLLM's KV events on loopback TCP by
 `--engine-arg kv_events_config=...`) behind a gateway-only front
-(`--model none --upstream 'smol=URL,URL;kv-events=...;tokenizer=FOLDER'
+(`--model none --upstream 'smol=URL,URL;kv-events=...;kv-tokenizer=FOLDER'
 --routing-policy kv-events`). The front indexes both nodes' events; a
 repeated prompt goes to the node that holds it (least outstanding would
 take the other one: it alternates between idle nodes) and that node reports
@@ -41,7 +41,7 @@ def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[GatewayProc
         for p in procs:
             p.wait_ready(timeout=600)
         urls = [p.url for p in procs]
-        spec = f"{EMBEDDED}={','.join(urls)};kv-events={','.join(pubs)};tokenizer={prepare_embedded_model()}"
+        spec = f"{EMBEDDED}={','.join(urls)};kv-events={','.join(pubs)};kv-tokenizer={prepare_embedded_model()}"
         front = GatewayProcess(["--model", "none", "--upstream", spec, "--routing-policy", "kv-events"],
                                tmp / "front.log")
         procs.append(front)
