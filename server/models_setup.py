@@ -18,7 +18,7 @@ from engine_adapter.model import EMBEDDED_EMBEDDING_NAME, EMBEDDED_MODEL_NAME, r
 from engine_adapter.pool import WorkerPool
 from engine_adapter.registry import ModelSpec, build_pool
 from engine_adapter.routing import CanaryPolicy, RouteSpec, RoutingMetrics, RoutingTable, ServedPool, route_specs
-from engine_adapter.routing.kv_events import local_sources, remote_kv_policy
+from engine_adapter.routing.kv_sources import local_sources, remote_kv_policy
 from engine_adapter.routing.policy import PolicyOptions, make_policy, parse_policies
 from engine_adapter.routing.upstream import UpstreamConfig, parse_upstream, upstreams_of
 from server.settings import Settings

@@ -304,7 +304,7 @@ def test_metrics_per_engine_and_prediction() -> None:
 
 
 def test_upstream_kv_events_option() -> None:
-    from engine_adapter.routing.kv_events import remote_sources
+    from engine_adapter.routing.kv_sources import remote_sources
     from engine_adapter.routing.upstream import parse_upstream
 
     cfg = parse_upstream("smol=http://a:8000,http://b:8000;kv-events=tcp://a:5557|tcp://a:5558,tcp://b:5557;"
