@@ -94,6 +94,10 @@ class Subscriber:
         import zmq
         import zmq.asyncio
 
+        if self._decode is None:  # imports vLLM (seconds in a gateway-only front): not on the event loop
+            from engine_adapter.routing.kv_index import _decoder
+
+            self._decode = await asyncio.to_thread(_decoder)
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
