@@ -299,6 +299,14 @@ class KvEventsPolicy(PrefixPolicy):
             if matched[i] and (pick < 0 or matched[i] > matched[pick]
                                or (matched[i] == matched[pick] and loads[i] < loads[pick])):
                 pick = i
+        if pick < 0:
+            # Nobody holds it (evicted everywhere): where the guess says it went
+            # before. Keeping a prefix on one engine keeps each cache to fewer
+            # prefixes (bench/prefix_bound.py), which small caches need most.
+            for i, e in enumerate(engines):
+                g = self._guess(e, key.blocks) * key.unit
+                if g and (pick < 0 or g > matched[pick] or (g == matched[pick] and loads[i] < loads[pick])):
+                    pick, matched[i], on_index[i] = i, g, False
         stats = self.stats
         if pick < 0:
             reason, pick = "no_match", low

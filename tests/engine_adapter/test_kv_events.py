@@ -327,3 +327,14 @@ def test_body_tokens_give_the_same_key_as_local_tokens() -> None:
     assert isinstance(key, KvRouteKey) and key.hashes(p.hasher(0)) == tuple(hashes("A"))
     plain = p.key_for_body({"input": "x" * 600}, None)
     assert not isinstance(plain, KvRouteKey) or not plain.kv
+
+
+def test_a_prefix_evicted_everywhere_goes_where_it_went_before() -> None:
+    p = policy()
+    feed(p, 0, 0)
+    feed(p, 1, 2)
+    a = META["prompts"]["A"]
+    assert p.choose([0, 1], [0, 0], p.key_for_tokens(a, None)) == 0  # engine 0 holds A
+    p.indexes[0].apply(decode_batch(frames()[3][2]))  # then D evicts it there
+    assert p.choose([0, 1], [2, 0], p.key_for_tokens(a, None)) == 0  # no index has it: the guess keeps it on 0
+    assert p.stats.decisions["kv_hit"] == 1 and p.stats.decisions["prefix_hit"] == 1
