@@ -338,3 +338,23 @@ def test_a_prefix_evicted_everywhere_goes_where_it_went_before() -> None:
     p.indexes[0].apply(decode_batch(frames()[3][2]))  # then D evicts it there
     assert p.choose([0, 1], [2, 0], p.key_for_tokens(a, None)) == 0  # no index has it: the guess keeps it on 0
     assert p.stats.decisions["kv_hit"] == 1 and p.stats.decisions["prefix_hit"] == 1
+
+
+def test_engines_of_a_kv_events_model_publish_on_private_sockets() -> None:
+    from vllm.config.kv_events import KVEventsConfig
+
+    from engine_adapter.backends.vllm_config import VllmConfig, make_engine_args
+
+    cfg = VllmConfig(model="/m", served_model_name="m", kv_events_dir="/tmp/npugw-kv-x")
+    kw = cfg.engine_kwargs("cpu", index=1)
+    assert kw["enable_prefix_caching"] is True
+    assert kw["kv_events_config"] == {"enable_kv_cache_events": True, "publisher": "zmq",
+                                      "endpoint": "ipc:///tmp/npugw-kv-x/engine-1.pub",
+                                      "replay_endpoint": "ipc:///tmp/npugw-kv-x/engine-1.replay"}
+    from engine_adapter.model import prepare_embedded_model
+
+    args = make_engine_args({**kw, "model": str(prepare_embedded_model()), "tokenizer": str(prepare_embedded_model())})
+    assert isinstance(args.kv_events_config, KVEventsConfig) and args.kv_events_config.publisher == "zmq"
+    assert "kv_events_config" not in VllmConfig(model="/m", served_model_name="m").engine_kwargs("cpu")
+    pooling = VllmConfig(model="/m", served_model_name="e", runner="pooling", kv_events_dir="/tmp/x")
+    assert "kv_events_config" not in pooling.engine_kwargs("cpu")
