@@ -97,7 +97,8 @@ class WorkerPool:
             wake=lambda w: self.admission.dispatch(w), readiness_interval=readiness_interval,
             probe_timeout=probe_timeout, restart_backoff=restart_backoff,
         )
-        self.runner = Runner(name, on_dead=self.supervisor.on_dead, accepting=lambda: self._accepting)
+        self.runner = Runner(name, on_dead=self.supervisor.on_dead, accepting=lambda: self._accepting,
+                             observe=lambda i, tokens, cached: self.policy.observe(i, tokens, cached))
         self.admission = Admission(
             name, self.workers, pick=self._pick, accepting=lambda: self._accepting,
             max_queue_size=max_queue_size, max_queue_wait=max_queue_wait, policy=queue_policy,
@@ -277,6 +278,7 @@ class WorkerPool:
                 t.cancel()
         await cancel_and_wait(list(self._background))
         await asyncio.gather(*(w.engine.stop() for w in self.workers), return_exceptions=True)
+        await self.policy.close()
         for w in self.workers:
             w.alive = False
 

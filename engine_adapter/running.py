@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 
 from engine_adapter.channel import END, TICK, Channel, Ticker
@@ -33,10 +33,14 @@ class Runner:
         *,
         on_dead: Callable[[Worker, BaseException], None],
         accepting: Callable[[], bool],
+        observe: Callable[[int, Sequence[int], int], None] = lambda index, tokens, cached: None,
     ) -> None:
         self.name = name
         self._on_dead = on_dead
         self._accepting = accepting
+        # what the engine's prefix cache held for a request (its first output):
+        # the routing policy's check of its prediction (kv-events)
+        self._observe = observe
         self._running = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -134,9 +138,13 @@ class Runner:
 
     async def _pump(self, w: Worker, req: GenerationRequest, channel: Channel) -> None:
         put = channel.put
+        first = True
         try:
             async for out in w.engine.generate(req):
                 w.saw_output()
+                if first:
+                    first = False
+                    self._observe(w.index, req.prompt_token_ids, out.cached_tokens)
                 put(out)
             w.last_ready = time.monotonic()
             put(END)

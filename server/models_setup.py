@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -17,6 +18,7 @@ from engine_adapter.model import EMBEDDED_EMBEDDING_NAME, EMBEDDED_MODEL_NAME, r
 from engine_adapter.pool import WorkerPool
 from engine_adapter.registry import ModelSpec, build_pool
 from engine_adapter.routing import CanaryPolicy, RouteSpec, RoutingMetrics, RoutingTable, ServedPool, route_specs
+from engine_adapter.routing.kv_sources import local_sources, remote_kv_policy
 from engine_adapter.routing.policy import PolicyOptions, make_policy, parse_policies
 from engine_adapter.routing.upstream import UpstreamConfig, parse_upstream, upstreams_of
 from server.placement import engine_placement, log_placement
@@ -165,6 +167,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         log_placement(placement)
     path, default_name = resolve_model(s.model)
     names = tuple(s.served_model_name) or (default_name,)
+    default_policy, per_model = parse_policies(s.routing_policy)
     gen_bind, emb_bind = cpu_binds(s) if s.embedding_enabled else (None, None)
     engine = VllmConfig(
         model=str(path),
@@ -193,12 +196,14 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         process_env=(("VLLM_CPU_OMP_THREADS_BIND", gen_bind),) if gen_bind else (),
         worker_cpu_binds=worker_binds(s, gen_bind),
         worker_env=placement.worker_env(0) if placement else (),
+        kv_events_dir=kv_events_dir(names, default_policy, per_model),
     )
     specs = [ModelSpec(names=names, backend="vllm", vllm=engine, root=str(path), **common)]  # type: ignore[arg-type]
     for i, (extra_names, extra) in enumerate(s.extra_models(), 1):
         extra_dir, _ = resolve_model(extra)
         cfg = replace(engine, model=str(extra_dir), served_model_name=extra_names[0], profile_frontend=False,
-                      worker_env=placement.worker_env(i) if placement else ())
+                      worker_env=placement.worker_env(i) if placement else (),
+                      kv_events_dir=kv_events_dir(extra_names, default_policy, per_model))
         specs.append(ModelSpec(names=extra_names, backend="vllm", vllm=cfg, root=str(extra_dir), **common))  # type: ignore[arg-type]
     if s.embedding_enabled:
         # Its own engine: none of the generation models' engine flags (dtype,
@@ -226,6 +231,13 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
                       **{**common, "num_workers": 1, "slots_per_worker": min(s.max_num_seqs, 64)})  # type: ignore[arg-type]
         )
     return specs
+
+
+def kv_events_dir(names: tuple[str, ...], default: str, per_model: Mapping[str, str]) -> str | None:
+    """A private folder for the KV event sockets of a model routed by
+    `kv-events` (its engines publish there); None for the other policies."""
+    policy = next((per_model[n] for n in names if n in per_model), default)
+    return tempfile.mkdtemp(prefix="npugw-kv-") if policy == "kv-events" else None
 
 
 def upstream_configs(settings: Settings) -> list[UpstreamConfig]:
@@ -300,9 +312,9 @@ def set_routing_policies(settings: Settings, served: list[tuple[WorkerPool, tupl
         name = next((per_model[n] for n in names or (pool.name,) if n in per_model), default)
         ups = upstreams_of([pool])
         for up in ups:
-            up.policy = make_policy(name, opts, unit="bytes")
+            up.policy = remote_kv_policy(up.cfg, opts) if name == "kv-events" else make_policy(name, opts, unit="bytes")
         if not ups:
-            pool.policy = make_policy(name, opts)
+            pool.policy = make_policy(name, opts, sources=local_sources(pool) if name == "kv-events" else None)
         if name != "least-outstanding":
             logger.info("model %s: routing policy %s", pool.name, name)
 

@@ -162,7 +162,8 @@ class Settings(BaseSettings):
         default_factory=lambda: ["least-outstanding"],
         description="which engine of a model (--num-workers, or the URLs of an --upstream) serves a request: "
         "least-outstanding, session (hash of X-Session-ID or user), or prefix (the engine that saw the longest "
-        "prefix of the prompt; a session key takes precedence); POLICY for every model or NAME=POLICY "
+        "prefix of the prompt; a session key takes precedence), or kv-events (as prefix, on the engines' own KV "
+        "cache events: docs/kv-events.md); POLICY for every model or NAME=POLICY "
         "(repeatable)",
     )
     routing_prefix_max_blocks: int = Field(

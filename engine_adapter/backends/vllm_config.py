@@ -63,6 +63,9 @@ class VllmConfig:
     # (NPU/GPU) each worker's own devices (ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES),
     # by worker index (engine_adapter/placement.py); empty: the gateway's own.
     worker_env: tuple[tuple[tuple[str, str], ...], ...] = ()
+    # `--routing-policy kv-events`: the folder of each engine's private KV
+    # event sockets (kv_event_endpoints); None: the engine publishes none.
+    kv_events_dir: str | None = None
 
     def env_for(self, index: int) -> tuple[tuple[str, str], ...]:
         """The process environment of worker `index`'s engine."""
@@ -119,8 +122,21 @@ class VllmConfig:
                 kw["enforce_eager"] = True
             if self.dtype == "auto":
                 kw["dtype"] = "float32" if self.runner == "pooling" else cpu_generation_dtype()
+        if self.kv_events_dir is not None and self.runner != "pooling":
+            pub, replay = kv_event_endpoints(self.kv_events_dir, index)
+            kw["enable_prefix_caching"] = True  # no prefix cache, no events
+            kw["kv_events_config"] = {
+                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay,
+            }
         kw.update(self.extra)
         return {k: v for k, v in kw.items() if v is not None}
+
+
+def kv_event_endpoints(folder: str, index: int) -> tuple[str, str]:
+    """(PUB, replay ROUTER) endpoints of engine `index`'s KV events: IPC
+    sockets in a private folder, bound by the engine, one pair per engine;
+    a restarted engine binds the same pair again."""
+    return f"ipc://{folder}/engine-{index}.pub", f"ipc://{folder}/engine-{index}.replay"
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
@@ -157,7 +173,7 @@ def cpu_generation_dtype(machine: str | None = None, flags: frozenset[str] | Non
 
 # VllmConfig fields that are not engine arguments.
 _NOT_ENGINE_ARGS = frozenset(
-    {"profile_dir", "profile_frontend", "extra", "process_env", "worker_cpu_binds", "worker_env"}
+    {"profile_dir", "profile_frontend", "extra", "process_env", "worker_cpu_binds", "worker_env", "kv_events_dir"}
 )
 # Engine arguments the gateway derives itself, and the setting that decides them.
 _DERIVED_ENGINE_ARGS = {
@@ -186,6 +202,11 @@ def make_engine_args(kwargs: dict[str, Any]) -> Any:
             f"--engine-arg: vLLM's AsyncEngineArgs has no argument {', '.join(map(repr, unknown))} "
             "(keys are `vllm serve` flags with '_' for '-')"
         )
+    events = kwargs.get("kv_events_config")
+    if isinstance(events, dict):  # AsyncEngineArgs takes the config object, not its JSON form
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs = {**kwargs, "kv_events_config": KVEventsConfig(**events)}
     return AsyncEngineArgs(**kwargs)
 
 

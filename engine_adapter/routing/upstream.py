@@ -89,6 +89,10 @@ class UpstreamConfig:
     api: str | None = None  # the client APIs the node serves (api_relay.API_NAMES); default: its /openapi.json
     plain: Literal["direct", "stream"] = "direct"  # how a non-streaming client's generation is called
     slots: int | None = None  # requests one URL runs at once (a routing hint); default: its /v1/models "slots"
+    # --routing-policy kv-events: each URL's KV event publisher, in URL order, `PUB[|REPLAY]` comma-separated
+    # (routing/kv_events.py remote_sources), and a local folder of the nodes' tokenizer to hash prompts with
+    kv_events: str | None = None
+    kv_tokenizer: str | None = None
 
     @property
     def discovers(self) -> bool:
@@ -100,7 +104,7 @@ _NUMBERS: dict[str, Callable[[str], float | int]] = {
     "connect_timeout": float, "read_timeout": float, "health_interval": float,
     "cooldown": float, "eject_after": int, "max_model_len": int, "slots": int,
 }
-_TEXTS = ("model", "api_key_env", "api", "plain")
+_TEXTS = ("model", "api_key_env", "api", "plain", "kv_events", "kv_tokenizer")
 
 
 def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:
@@ -132,6 +136,8 @@ def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:
         raise ValueError(f"upstream {name!r}: slots must be >= 1")
     if cfg.api is not None:
         parse_apis(cfg.api, name)
+    if cfg.kv_events is not None and len(cfg.kv_events.split(",")) != len(cfg.urls):
+        raise ValueError(f"upstream {name!r}: kv-events needs one publisher per URL ({len(cfg.urls)})")
     if cfg.plain not in ("direct", "stream"):
         raise ValueError(f"upstream {name!r}: plain={cfg.plain!r} is not one of direct, stream")
     return cfg
@@ -194,6 +200,7 @@ class Upstream:
         await cancel_and_wait(tasks)  # health loops use wait_for: cancel until done
         session, self._session = self._session, None
         await session.close()
+        await self.policy.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:
