@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 import orjson
 from aiohttp import web
@@ -53,18 +53,22 @@ class FakeNode:
         self.runner: web.AppRunner | None = None
         self.url = ""
 
-    async def start(self) -> FakeNode:
+    async def start(self) -> Self:
         app = web.Application()
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.list_models)
-        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
-            app.router.add_post(path, self.generate)
+        self.routes(app)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         port = free_port()
         await web.TCPSite(self.runner, "127.0.0.1", port).start()
         self.url = f"http://127.0.0.1:{port}"
         return self
+
+    def routes(self, app: web.Application) -> None:
+        """The POST routes it serves (a subclass serves other APIs)."""
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+            app.router.add_post(path, self.generate)
 
     async def stop(self) -> None:
         self._release.set()  # hanging handlers return, so the server stops at once

@@ -134,13 +134,19 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def _said(what: str | Callable[[], str]) -> str:
+    return what() if callable(what) else what
+
+
 async def wait_until(
-    cond: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "condition",
+    cond: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str | Callable[[], str] = "condition",
     interval: float = 0.005,
 ) -> None:
     """Poll `cond` (a function, or a coroutine function such as an HTTP
     probe) every `interval` seconds until it holds; fail after `timeout`
-    seconds (a deadline for a hung test, not a timing assertion)."""
+    seconds (a deadline for a hung test, not a timing assertion). `what`
+    names the condition in the failure (a function: called then, to show
+    the last state seen)."""
     import asyncio
 
     deadline = time.monotonic() + timeout
@@ -151,15 +157,16 @@ async def wait_until(
         if got:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {_said(what)}")
         await asyncio.sleep(interval)
 
 
 def wait_until_sync(
-    cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition", interval: float = 0.02
+    cond: Callable[[], bool], timeout: float = 30.0, what: str | Callable[[], str] = "condition",
+    interval: float = 0.02,
 ) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {_said(what)}")
         time.sleep(interval)
