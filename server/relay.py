@@ -171,10 +171,10 @@ class RelayAnswer(Response):
     async def _send_stream(self, scope: Scope, receive: Receive, send: Send) -> None:
         gen = self.gen
         watch, own = watched(scope, receive)
+        head = _SSE if self.stream_type == "text/event-stream" else [(b"content-type", self.stream_type.encode())]
         try:
-            head = _SSE if self.stream_type == "text/event-stream" else [(b"content-type", self.stream_type.encode())]
-            await send({"type": "http.response.start", "status": 200, "headers": head + self._gen_headers()})
             try:
+                await send({"type": "http.response.start", "status": 200, "headers": head + self._gen_headers()})
                 if self.translated:
                     async for part in self._translated():
                         await send({"type": "http.response.body", "body": part, "more_body": True})
