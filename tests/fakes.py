@@ -1,5 +1,6 @@
 """Fakes shared by the tests: `FakeNode`, an upstream OpenAI-compatible
-node (what the gateway tier passes requests through to)."""
+node (what the gateway tier passes requests through to), and `tier`, the
+settings of a gateway-only app in front of such nodes."""
 
 from __future__ import annotations
 
@@ -11,8 +12,15 @@ import orjson
 from aiohttp import web
 from support import free_port
 
+from server.settings import Settings
+
 WORDS = ("The", " capital", " is", " Paris", ".")
 USAGE = {"prompt_tokens": 11, "completion_tokens": 6, "total_tokens": 17, "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def tier(*upstreams: str, **kw: Any) -> Settings:
+    """A gateway-only app (`--model none`) in front of `upstreams`."""
+    return Settings(model="none", upstream=list(upstreams), readiness_interval=1, **kw)
 
 
 class FakeNode:

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 import pytest
 import pytest_asyncio
-from fakes import FakeNode
+from fakes import FakeNode, tier
 from sim_app import serve
 from support import metric_value, wait_until
 
@@ -35,10 +35,6 @@ async def node() -> AsyncIterator[FakeNode]:
     n = await FakeNode().start()
     yield n
     await n.stop()
-
-
-def tier(*upstreams: str, **kw: Any) -> Settings:
-    return Settings(model="none", upstream=list(upstreams), readiness_interval=1, **kw)
 
 
 def events(raw: bytes) -> list[Any]:
