@@ -17,8 +17,12 @@ requests continue a conversation of the tenant, user turns of 20-60 words,
 synthetic assistant turns (never cached), 64 output tokens; one token a
 word. Policies: `least-outstanding` (requests dealt round robin: equal
 load) and `prefix` (the engine of the longest cached match, else the least
-loaded; the gateway's map is taken as exact). No engine, no timing: hit
-rates only. Prints a table and writes bench/results/prefix_bound.json.
+loaded; the gateway's map is taken as exact). With `--index-accuracy Q`
+(issue 36) two more: `guess` (the `prefix` policy as built: the gateway's
+map of where it sent each prefix, blind to evictions) and `kv-events` (the
+engines' real caches, as their KV events tell, read right with probability
+Q, else the guess). No engine, no timing: hit rates only. Prints a table
+and writes bench/results/prefix_bound[-LABEL].json.
 
 Why 2x is a ceiling with two engines: least-outstanding spreads every
 tenant over all E engines, so each cache must hold all N tenants; prefix
@@ -108,14 +112,32 @@ class Workload:
         return t, self.systems[t] + [tok for part in c for tok in part], self.words(a.max_tokens)
 
 
+def guessed(sent: set[int], chain: list[int]) -> int:
+    n = 0
+    for h in chain:
+        if h not in sent:
+            break
+        n += 1
+    return n
+
+
 def simulate(a: argparse.Namespace, policy: str, engines: int, blocks: int, seed: int) -> float:
     caches = [Cache(blocks, a.block_size) for _ in range(engines)]
     wl = Workload(a, seed)
     load = [0] * engines
     queries = hits = 0
+    sent: list[set[int]] = [set() for _ in range(engines)]  # the guess: every prefix sent to an engine
+    rng = random.Random(seed + 1000)
     for i in range(a.requests):
         _, prompt, output = wl.request()
-        if policy == "prefix":
+        chain = caches[0].chain(prompt[:-1])
+        exact = policy == "prefix" or (policy == "kv-events" and rng.random() < a.index_accuracy)
+        if policy in ("guess", "kv-events"):
+            matches = [c.match(prompt) for c in caches] if exact else [guessed(g, chain) for g in sent]
+            best = max(matches)
+            e = min((e for e in range(engines) if matches[e] == best or best == 0), key=lambda e: load[e])
+            sent[e].update(chain)
+        elif policy == "prefix":
             matches = [c.match(prompt) for c in caches]
             best = max(matches)
             if best > 0:
@@ -145,19 +167,33 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--warmup", type=int, default=0, help="requests left out of the hit rate (cold starts)")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--index-accuracy", type=float, default=None,
+                   help="also model `guess` and `kv-events` with its index read right this often (0-1)")
+    p.add_argument("--label", default="", help="suffix of the result file")
     a = p.parse_args()
     rows: list[dict[str, Any]] = []
-    print(f"{'engines':>7} {'blocks':>6} {'least-outstanding':>17} {'prefix':>7} {'ratio':>6}")
+    kv = a.index_accuracy is not None
+    print(f"{'engines':>7} {'blocks':>6} {'least-outstanding':>17} {'prefix':>7} {'ratio':>6}"
+          + (f" {'guess':>7} {'kv-events':>9} {'kv/guess':>8} {'kv/lo':>6}" if kv else ""))
     for engines in a.engines:
         for blocks in a.blocks:
             lo = sum(simulate(a, "least-outstanding", engines, blocks, s) for s in range(a.seeds))
             px = sum(simulate(a, "prefix", engines, blocks, s) for s in range(a.seeds))
             lo, px = lo / a.seeds, px / a.seeds
-            rows.append({"engines": engines, "blocks": blocks, "least_outstanding": lo,
-                         "prefix": px, "ratio": px / lo if lo else None})
-            print(f"{engines:>7} {blocks:>6} {lo:>17.3f} {px:>7.3f} {px / lo if lo else float('nan'):>6.2f}")
+            row: dict[str, Any] = {"engines": engines, "blocks": blocks, "least_outstanding": lo,
+                                   "prefix": px, "ratio": px / lo if lo else None}
+            line = f"{engines:>7} {blocks:>6} {lo:>17.3f} {px:>7.3f} {px / lo if lo else float('nan'):>6.2f}"
+            if kv:
+                gs = sum(simulate(a, "guess", engines, blocks, s) for s in range(a.seeds)) / a.seeds
+                ke = sum(simulate(a, "kv-events", engines, blocks, s) for s in range(a.seeds)) / a.seeds
+                row.update(guess=gs, kv_events=ke)
+                line += (f" {gs:>7.3f} {ke:>9.3f} {ke / gs if gs else float('nan'):>8.2f}"
+                         f" {ke / lo if lo else float('nan'):>6.2f}")
+            rows.append(row)
+            print(line, flush=True)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "prefix_bound.json").write_text(json.dumps({"params": vars(a), "rows": rows}, indent=1) + "\n")
+    name = "prefix_bound" + (f"-{a.label}" if a.label else "")
+    (RESULTS / f"{name}.json").write_text(json.dumps({"params": vars(a), "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

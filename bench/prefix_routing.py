@@ -1,7 +1,16 @@
-"""Cache-aware routing end to end (issue 16): `least-outstanding` against
-`prefix` on two real vLLM engines, alternated round by round in one run.
+"""Cache-aware routing end to end (issues 16, 36): `least-outstanding`,
+`prefix` and `kv-events` on two real vLLM engines, alternated round by round
+in one run.
 
     .venv/bin/python bench/prefix_routing.py [--topology tier|local] [--rounds 2] [--duration 30]
+        [--policies least-outstanding prefix kv-events]
+
+`kv-events` (issue 36): the engines publish vLLM's KV events; locally the
+gateway subscribes to its own engines, in the tier the nodes are started
+with `--engine-arg kv_events_config=...` on loopback TCP and the front is
+given `;kv-events=...;kv-tokenizer=MODEL_DIR`. Reported besides: how often the
+index predicted the cached tokens the engine reported (local only: relayed
+answers are not read by the front).
 
 Topologies:
 - `tier` (default): two node gateways with one engine each, pinned one per
@@ -53,9 +62,23 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GATEWAY, MODEL_NAME, RESULTS, Server, free_port, machine_info, pct, plot, save_json, table
+from _common import (
+    MAIN_PY,
+    MODEL_DIR,
+    MODEL_NAME,
+    RESULTS,
+    ROOT,
+    Server,
+    free_port,
+    machine_info,
+    pct,
+    plot,
+    save_json,
+    table,
+)
 
-POLICIES = ("least-outstanding", "prefix")
+POLICIES = ("least-outstanding", "prefix", "kv-events")
+OUTCOMES = ("right", "over", "under")
 WORDS = (
     "time year people way day man thing woman life child world school state family student group country "
     "problem hand part place case week company system program question work government number night point "
@@ -81,9 +104,10 @@ def node_args(a: argparse.Namespace) -> list[str]:
 
 def gateway(name: str, args: list[str], env: dict[str, str] | None = None, timeout: float = 900) -> Server:
     port = free_port()
-    argv = ["nice", "-n", "10", str(GATEWAY), "serve", "--port", str(port), *args]
-    return Server(name, argv, f"http://127.0.0.1:{port}/ready", env={"HF_HUB_OFFLINE": "1", **(env or {})},
-                  ready_timeout=timeout)
+    # this checkout's code (the shared venv's console script may point at another one)
+    argv = ["nice", "-n", "10", str(MAIN_PY), "-m", "server.cli", "serve", "--port", str(port), *args]
+    return Server(name, argv, f"http://127.0.0.1:{port}/ready",
+                  env={"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **(env or {})}, ready_timeout=timeout)
 
 
 def url_of(s: Server) -> str:
@@ -105,12 +129,21 @@ class Setup:
         self.fronts: dict[str, Server] = {}
         self.nodes: list[Server] = []
         self.stopped: Server | None = None
+        self.kv_events: list[str] = []  # tier: each node's `PUB|REPLAY`
 
     def start(self) -> None:
         a = self.a
         if a.topology == "tier":
             for core in (0, 1):
-                node = gateway(f"prefix_routing_node{core}", node_args(a),
+                extra = []
+                if "kv-events" in a.policies:
+                    pub, replay = free_port(), free_port()
+                    cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
+                           "endpoint": f"tcp://*:{pub}",  # vLLM binds only a wildcard TCP endpoint
+                           "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+                    extra = ["--engine-arg", f"kv_events_config={json.dumps(cfg)}"]
+                    self.kv_events.append(f"tcp://127.0.0.1:{pub}|tcp://127.0.0.1:{replay}")
+                node = gateway(f"prefix_routing_node{core}", [*node_args(a), *extra],
                                env={"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1"})
                 self.servers.append(node.start())
                 self.nodes.append(node)
@@ -118,14 +151,15 @@ class Setup:
             ups = ",".join(url_of(n) for n in self.nodes)
             # each node runs --max-num-seqs at once: the fronts' routing hint
             slots = f";slots={a.max_num_seqs}" if a.front_slots else ""
-            for p in POLICIES:
+            for p in a.policies:
+                kv = f";kv-events={','.join(self.kv_events)};kv-tokenizer={MODEL_DIR}" if p == "kv-events" else ""
                 front = gateway(f"prefix_routing_front_{p}", [
-                    "--model", "none", "--upstream", f"smol={ups};model={MODEL_NAME}{slots}", "--routing-policy", p,
+                    "--model", "none", "--upstream", f"smol={ups};model={MODEL_NAME}{slots}{kv}", "--routing-policy", p,
                     "--max-queue-size", "512", "--max-queue-wait", "600", *policy_args(a, p)], timeout=120)
                 self.servers.append(front.start())
                 self.fronts[p] = front
         else:
-            for p in POLICIES:
+            for p in a.policies:
                 gw = gateway(f"prefix_routing_local_{p}", [
                     *node_args(a), "--num-workers", "2", "--routing-policy", p,
                     "--served-model-name", "smol", *policy_args(a, p)], env={"VLLM_CPU_KVCACHE_SPACE": "1"})
@@ -189,8 +223,11 @@ async def cache_counters(session: aiohttp.ClientSession, engines: list[tuple[str
 
 async def decisions(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     text = await scrape(session, url)
-    return {r: sample(text, "npugw_route_policy_decisions_total", reason=r)
-            for r in ("least_outstanding", "prefix_hit", "load_fallback", "no_match", "session")}
+    out = {r: sample(text, "npugw_route_policy_decisions_total", reason=r)
+           for r in ("least_outstanding", "kv_hit", "prefix_hit", "load_fallback", "no_match", "session")}
+    for o in OUTCOMES:  # the kv-events index's predictions of the cached tokens
+        out[f"predicted_{o}"] = sample(text, "npugw_kv_predictions_total", outcome=o)
+    return out
 
 
 # ---------------------------------------------------------------- workloads
@@ -312,25 +349,35 @@ async def measured(setup: Setup, policy: str, wl: Workload, mode: str, rate: flo
     q = sum(e["queries"] for e in per)
     r["engines"] = per
     r["hit_rate"] = sum(e["hits"] for e in per) / q if q else None
-    r["decisions"] = {k: d1[k] - d0[k] for k in d1 if d1[k] - d0[k]}
+    r["decisions"] = {k: d1[k] - d0[k] for k in d1 if d1[k] - d0[k] and not k.startswith("predicted_")}
+    pred = {o: d1[f"predicted_{o}"] - d0[f"predicted_{o}"] for o in OUTCOMES}
+    r["predictions"] = pred
+    r["index_right"] = pred["right"] / sum(pred.values()) if sum(pred.values()) else None
     r["load_average"] = list(os.getloadavg())
     return r
 
 
 # ---------------------------------------------------------------- main
+RATIOS = (("prefix", "least-outstanding"), ("kv-events", "least-outstanding"), ("kv-events", "prefix"))
+
+
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     keys = sorted({(r["workload"], r["mode"]) for r in runs}, key=lambda k: (k[0] != "chat", k[1] != "rate"))
     for wl, mode in keys:
         row: dict[str, Any] = {"workload": wl, "mode": mode}
-        for p in POLICIES:
+        policies = sorted({r["policy"] for r in runs}, key=POLICIES.index)
+        for p in policies:
             rs = [r for r in runs if (r["workload"], r["mode"], r["policy"]) == (wl, mode, p)]
-            for m in ("ttft_p50_ms", "ttft_p99_ms", "out_tok_s", "hit_rate"):
-                vals = [r[m] for r in rs if r[m] is not None]
+            for m in ("ttft_p50_ms", "ttft_p99_ms", "out_tok_s", "hit_rate", "index_right"):
+                vals = [r[m] for r in rs if r.get(m) is not None]
                 row[f"{p}:{m}"] = statistics.median(vals) if vals else None
-        for m in ("ttft_p50_ms", "ttft_p99_ms", "out_tok_s", "hit_rate"):
-            lo, px = row[f"least-outstanding:{m}"], row[f"prefix:{m}"]
-            row[f"ratio:{m}"] = px / lo if lo and px is not None else None
+        for num, den in RATIOS:
+            if num not in policies or den not in policies:
+                continue
+            for m in ("ttft_p50_ms", "ttft_p99_ms", "out_tok_s", "hit_rate"):
+                lo, px = row[f"{den}:{m}"], row[f"{num}:{m}"]
+                row[f"{num}/{den}:{m}"] = px / lo if lo and px is not None else None
         out.append(row)
     return out
 
@@ -352,7 +399,7 @@ async def main_async(a: argparse.Namespace, setup: Setup) -> dict[str, Any]:
               f"{r['out_tok_s']:.0f} out tok/s", flush=True)
     result["capacity_req_s"] = capacity
     for rnd in range(a.rounds):
-        order = POLICIES if rnd % 2 == 0 else POLICIES[::-1]
+        order = a.policies if rnd % 2 == 0 else a.policies[::-1]
         for kind in a.workloads:
             for mode in ("rate", "saturation"):
                 rate = a.rate_frac * capacity[kind]
@@ -375,23 +422,28 @@ async def main_async(a: argparse.Namespace, setup: Setup) -> dict[str, Any]:
 
 def report(result: dict[str, Any], out: Path) -> None:
     rows = []
+    policies = result["params"]["policies"]
     for s in result["summary"]:
-        for p in POLICIES:
+        for p in policies:
             rows.append([s["workload"], s["mode"], p, s[f"{p}:ttft_p50_ms"], s[f"{p}:ttft_p99_ms"],
-                         s[f"{p}:out_tok_s"], s[f"{p}:hit_rate"]])
-        rows.append([s["workload"], s["mode"], "prefix / least-outstanding", s["ratio:ttft_p50_ms"],
-                     s["ratio:ttft_p99_ms"], s["ratio:out_tok_s"], s["ratio:hit_rate"]])
-    print(table(["workload", "load", "policy", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "hit rate"], rows))
+                         s[f"{p}:out_tok_s"], s[f"{p}:hit_rate"], s[f"{p}:index_right"]])
+        for num, den in RATIOS:
+            if f"{num}/{den}:hit_rate" in s:
+                rows.append([s["workload"], s["mode"], f"{num} / {den}", s[f"{num}/{den}:ttft_p50_ms"],
+                             s[f"{num}/{den}:ttft_p99_ms"], s[f"{num}/{den}:out_tok_s"], s[f"{num}/{den}:hit_rate"],
+                             None])
+    print(table(["workload", "load", "policy", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "hit rate",
+                 "index right"], rows))
     cats = [f"{s['workload']}/{s['mode']}" for s in result["summary"]]
     panels = []
     for m, title in (("hit_rate", "prefix cache hit rate"), ("ttft_p50_ms", "TTFT p50 (ms)"),
                      ("ttft_p99_ms", "TTFT p99 (ms)"), ("out_tok_s", "output tokens/s")):
         panels.append({"title": title, "kind": "bar", "categories": cats, "ylabel": title,
-                       "series": [{"label": p, "y": [s[f"{p}:{m}"] for s in result["summary"]]} for p in POLICIES]})
+                       "series": [{"label": p, "y": [s[f"{p}:{m}"] for s in result["summary"]]} for p in policies]})
     p = result["params"]
     la = [r["load_average"][0] for r in result["runs"]] or [0.0]
     loads = f"{min(la):.0f}-{max(la):.0f}"
-    plot({"title": f"least-outstanding vs prefix routing, 2 engines ({p['topology']}), medians of {p['rounds']} rounds",
+    plot({"title": f"{' vs '.join(policies)} routing, 2 engines ({p['topology']}), medians of {p['rounds']} rounds",
           "note": f"{result['machine']['date_utc']} {result['machine']['cpu_model']}, shared box (load {loads}); "
                   f"{p['duration']} s per run, c={p['concurrency']}, rate {p['rate_frac']} x capacity",
           "panels": panels}, out.with_suffix(".png"))
@@ -405,6 +457,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--topology", choices=("tier", "local"), default="tier")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                    help="compared in one run (least-outstanding is always measured: the capacity run uses it)")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of sending per run")
     ap.add_argument("--concurrency", type=int, default=16, help="closed-loop clients (saturation, capacity)")
     ap.add_argument("--rate-frac", type=float, default=0.7)
@@ -423,6 +477,8 @@ def main() -> None:
     ap.add_argument("--label", default="", help="suffix of the result files (a variant)")
     ap.add_argument("--smoke", action="store_true", help="simulated engines: checks the script, measures nothing")
     a = ap.parse_args()
+    if "least-outstanding" not in a.policies:
+        a.policies.insert(0, "least-outstanding")
     setup = Setup(a)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # servers stopped below
     try:

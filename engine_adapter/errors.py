@@ -17,7 +17,8 @@ events alike. Routers decide fallback on the kind (`fallback_reason`).
     ├── RequestTooLarge           the body is over the limit
     ├── UpstreamRejected          an upstream node's 4xx (relayed as is)
     ├── RateLimited               a per-key limit, or an upstream's 429
-    │   └── QueueFull             the model's queue is full
+    │   ├── QueueFull             the model's queue is full
+    │   └── DeadlineUnmeetable    its time-to-first-token deadline cannot be met
     ├── RequestTimeout            the request ran past its deadline
     ├── EngineError               the engine failed this request
     └── ServiceUnavailable        nothing can serve it now (retry later)
@@ -105,6 +106,13 @@ class RateLimited(GatewayError):
 
 class QueueFull(RateLimited):
     code = "queue_full"
+
+
+class DeadlineUnmeetable(RateLimited):
+    """The request's time-to-first-token deadline cannot be met: the wait
+    estimated at arrival is longer, or it passed while the request queued."""
+
+    code = "deadline_unmeetable"
 
 
 class RequestTimeout(GatewayError):

@@ -8,8 +8,9 @@ refusal is a status, never a stream that begins and then fails.
 
 A lease knows which served model answers (`served_by`) and runs its requests
 with `stream()`: the engines' deltas in batches, tagged with the prompt's
-index, or None as an idle tick. `release()` gives back whatever slots were
-never streamed; it is idempotent and always safe to call.
+index, or None as an idle tick. The lease alone gives slots back: each
+one as its request's stream or relay ends, however it ends, and
+`release()` those never streamed; it is idempotent and always safe to call.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class Slot:
     """One engine slot held for one request."""
 
     worker: Worker
+    cost: int = 0  # the queue's estimated cost of its request (engine_adapter/scheduler.py)
+    tenant: str = ""  # its API key name
     released: bool = False
     opened: Any = None  # a relayed call the node accepted (backends/remote.py Opened)
 
@@ -103,9 +106,33 @@ class PoolLease:
 
     def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]:
         held, self._held = self._held, []
-        runs = [(i, self._run(slot, req, idle_tick)) for i, (req, slot) in enumerate(held)
+        runs = [(i, self._run_then_release(slot, req, idle_tick)) for i, (req, slot) in enumerate(held)
                 if isinstance(req, GenerationRequest)]
-        return merge(runs, held, self._release)
+        return self._merged(runs, held)
+
+    async def _run_then_release(
+        self, slot: Slot, req: GenerationRequest, idle_tick: float | None
+    ) -> AsyncGenerator[Batch, None]:
+        """One request's run; its slot goes back as soon as the run ends."""
+        try:
+            async with aclosing(self._run(slot, req, idle_tick)) as run:
+                async for batch in run:
+                    yield batch
+        finally:
+            self._release(slot)
+
+    async def _merged(
+        self, runs: list[tuple[int, AsyncGenerator[Batch, None]]], held: list[tuple[Request, Slot]]
+    ) -> AsyncGenerator[Tagged, None]:
+        """The runs merged; every slot goes back at the end, also those
+        whose run never started."""
+        try:
+            async with aclosing(merge(runs)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            for _, slot in held:
+                self._release(slot)
 
     async def relay(self) -> AsyncGenerator[Relayed, None]:
         held, self._held = self._held, []
@@ -125,50 +152,40 @@ class PoolLease:
             self._release(slot)
 
 
-async def merge(
-    streams: list[tuple[int, AsyncGenerator[Batch, None]]],
-    held: list[tuple[Request, Slot]] | None = None,
-    release: Callable[[Slot], None] | None = None,
-) -> AsyncGenerator[Tagged, None]:
+async def merge(streams: list[tuple[int, AsyncGenerator[Batch, None]]]) -> AsyncGenerator[Tagged, None]:
     """Interleave several streams of batches, tagging each item with its
-    stream's tag. Slots in `held` are released at the end whatever happened
-    (a stream that never started does not release its own)."""
-    try:
-        if len(streams) == 1:
-            tag, only = streams[0]
-            try:
-                async for item in only:
-                    yield tag, item
-            finally:
-                await only.aclose()
-            return
-        queue: asyncio.Queue[Tagged | BaseException | None] = asyncio.Queue()
-
-        async def pump(tag: int, s: AsyncGenerator[Batch, None]) -> None:
-            try:
-                async with aclosing(s) as it:
-                    async for item in it:
-                        queue.put_nowait((tag, item))
-                queue.put_nowait(None)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:
-                queue.put_nowait(e)
-
-        tasks = [asyncio.ensure_future(pump(tag, s)) for tag, s in streams]
+    stream's tag; each stream is closed at the end, whatever happened."""
+    if len(streams) == 1:
+        tag, only = streams[0]
         try:
-            live = len(tasks)
-            while live:
-                got = await queue.get()
-                if got is None:
-                    live -= 1
-                    continue
-                if isinstance(got, BaseException):
-                    raise got
-                yield got
+            async for item in only:
+                yield tag, item
         finally:
-            await cancel_and_wait(tasks)
+            await only.aclose()
+        return
+    queue: asyncio.Queue[Tagged | BaseException | None] = asyncio.Queue()
+
+    async def pump(tag: int, s: AsyncGenerator[Batch, None]) -> None:
+        try:
+            async with aclosing(s) as it:
+                async for item in it:
+                    queue.put_nowait((tag, item))
+            queue.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            queue.put_nowait(e)
+
+    tasks = [asyncio.ensure_future(pump(tag, s)) for tag, s in streams]
+    try:
+        live = len(tasks)
+        while live:
+            got = await queue.get()
+            if got is None:
+                live -= 1
+                continue
+            if isinstance(got, BaseException):
+                raise got
+            yield got
     finally:
-        if held is not None and release is not None:
-            for _, slot in held:
-                release(slot)
+        await cancel_and_wait(tasks)

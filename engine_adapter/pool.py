@@ -1,38 +1,44 @@
-"""The worker pool of one model: bounded queue, admission, priorities,
-dispatch and drain (supervision and readiness: engine_adapter/supervision.py;
-running admitted requests: engine_adapter/running.py).
+"""The worker pool of one model: bounded queue, admission, priorities, fair
+share between keys, deadline-aware admission, dispatch and drain.
 
 A request needs a slot on a worker (at most `slots` run on one engine). Free
 slot: it runs at once on the worker the routing policy picks. Else it waits
-in a bounded priority queue (lower `priority` first, as in vLLM). A full
-queue rejects at once (`QueueFull`); a wait past `max_queue_wait` gives
-`QueueTimeout` and the request never reaches an engine.
+in a bounded queue (engine_adapter/scheduler.py: lower `priority` first, as
+in vLLM; inside one priority, weighted fair share between API keys, or
+arrival order with the `fifo` policy). A full queue rejects at once
+(`QueueFull`); a wait past `max_queue_wait` gives `QueueTimeout` and the
+request never reaches an engine. A request with a time-to-first-token
+deadline whose estimated wait is longer is refused at arrival, and one whose
+deadline passes while it waits leaves the queue (`DeadlineUnmeetable`).
+
+The pool owns its parts, each given what it needs: an `Admission`
+(engine_adapter/admission.py) hands out slots and keeps the queue, a
+`Runner` (engine_adapter/running.py) runs admitted requests, a `Supervisor`
+(engine_adapter/supervision.py) restarts dead workers and answers
+readiness. Only the lease (engine_adapter/lease.py) gives a slot back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import logging
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 
+from engine_adapter.admission import Admission
 from engine_adapter.errors import (
     EngineDead,
     GatewayError,
-    QueueFull,
-    QueueTimeout,
     RequestTimeout,
     ShuttingDown,
 )
 from engine_adapter.lease import Ask, PoolLease, Slot
 from engine_adapter.routing.policy import RouteKey, RoutingPolicy
-from engine_adapter.running import Running
-from engine_adapter.supervision import EngineFactory, Supervision
+from engine_adapter.running import Runner
+from engine_adapter.scheduler import Policy, relay_cost, request_cost
+from engine_adapter.supervision import EngineFactory, Supervisor
 from engine_adapter.tasks import cancel_and_wait
 from engine_adapter.types import (
     Embedded,
@@ -44,11 +50,12 @@ from engine_adapter.types import (
     RelayCall,
     Tokenizer,
 )
-from engine_adapter.workers import PoolCounters, Waiter, Worker
+from engine_adapter.workers import Worker
 
 logger = logging.getLogger(__name__)
 
-class WorkerPool(Supervision, Running):
+
+class WorkerPool:
     def __init__(
         self,
         name: str,
@@ -63,40 +70,42 @@ class WorkerPool(Supervision, Running):
         restart_backoff: tuple[float, float] = (1.0, 30.0),
         lazy: bool = False,
         planned_card: ModelCard | None = None,
+        queue_policy: Policy = "fair",
     ) -> None:
         """`lazy`: the engines start on the first request, not at `start()`
         (`planned_card` stands for theirs until then)."""
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self.name = name
-        self._factory = factory
         self.workers = [
             Worker(index=i, engine=factory(i), slots=slots_per_worker)
             for i in range(num_workers)
         ]
         # a restart builds the same kind of engine (read on every request: summed up once)
         self._relays = any(getattr(w.engine, "relays", False) for w in self.workers)
-        self.max_queue_size = max_queue_size
-        self.max_queue_wait = max_queue_wait
-        self.readiness_interval = readiness_interval
-        self.probe_timeout = probe_timeout if probe_timeout is not None else readiness_interval
-        self.restart_backoff = restart_backoff
-        self.counters = PoolCounters()
-        self._queue: list[Waiter] = []
-        self._queued = 0
-        self._queued_by_priority: Counter[int] = Counter()
-        self._seq = itertools.count()
         self._accepting = False
         self.lazy = lazy
         self._planned = planned_card
         self._started = False
         self._starting: asyncio.Future[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._running = 0
         # which worker of those with a free slot (routing/policy.py)
         self.policy: RoutingPolicy = RoutingPolicy()
+        self.supervisor = Supervisor(
+            name, self.workers, factory,
+            spawn=self._spawn, accepting=lambda: self._accepting, forget=lambda i: self.policy.forget(i),
+            wake=lambda w: self.admission.dispatch(w), readiness_interval=readiness_interval,
+            probe_timeout=probe_timeout, restart_backoff=restart_backoff,
+        )
+        self.runner = Runner(name, on_dead=self.supervisor.on_dead, accepting=lambda: self._accepting,
+                             observe=lambda i, tokens, cached: self.policy.observe(i, tokens, cached))
+        self.admission = Admission(
+            name, self.workers, pick=self._pick, accepting=lambda: self._accepting,
+            max_queue_size=max_queue_size, max_queue_wait=max_queue_wait, policy=queue_policy,
+        )
+        self.counters = self.admission.counters
+        self.queue = self.admission.queue
+        self.queue_stats = self.admission.stats
 
     # ---- what the HTTP layer reads -------------------------------------
     @property
@@ -116,10 +125,65 @@ class WorkerPool(Supervision, Running):
 
     @property
     def queue_depth(self) -> int:
-        return self._queued
+        return len(self.queue)
 
     def queue_depth_by_priority(self) -> dict[int, int]:
-        return {p: n for p, n in self._queued_by_priority.items() if n}
+        return {p: n for p, n in self.queue.depth_by_priority().items() if n}
+
+    @property
+    def queue_policy(self) -> Policy:
+        return self.queue.policy
+
+    def set_queue_policy(self, policy: Policy) -> None:
+        """Switch between `fair` and `fifo` at run time (a reload): every
+        queued request stays queued."""
+        self.queue.set_policy(policy)
+
+    @property
+    def capacity(self) -> int:
+        """Engine slots of the live workers."""
+        return sum(w.slots for w in self.workers if w.alive)
+
+    def saturation(self) -> float:
+        """Requests running or queued over the slots of live workers: 1.0
+        is every slot taken, above 1 a queue builds (for autoscaling)."""
+        busy = sum(w.in_flight for w in self.workers) + len(self.queue)
+        cap = self.capacity or sum(w.slots for w in self.workers)
+        return busy / cap if cap else 0.0
+
+    def estimated_wait(self) -> float | None:
+        """Seconds the queued work takes at the measured service rate (None:
+        not measured yet)."""
+        rate = self.queue_stats.rate.per_second
+        return self.queue.queued_cost() / rate if rate else None
+
+    # ---- the owned parts, as the HTTP layer and the tests read them ----
+    @property
+    def running(self) -> int:
+        return self.runner.running
+
+    async def wait_idle(self) -> None:
+        await self.runner.wait_idle()
+
+    @property
+    def passive_readiness(self) -> bool:
+        return self.supervisor.passive_readiness
+
+    @passive_readiness.setter
+    def passive_readiness(self, value: bool) -> None:
+        self.supervisor.passive_readiness = value
+
+    def alive_workers(self) -> int:
+        return self.supervisor.alive_workers()
+
+    def ready_workers(self, now: float | None = None) -> int:
+        return self.supervisor.ready_workers(now)
+
+    def _ready_window(self) -> float:
+        return self.supervisor.ready_window()
+
+    def _on_dead(self, w: Worker, err: BaseException) -> None:
+        self.supervisor.on_dead(w, err)
 
     def stats(self) -> list[EngineStats]:
         return [w.engine.stats() for w in self.workers]
@@ -146,8 +210,8 @@ class WorkerPool(Supervision, Running):
             self._accepting = True
         self._started = True
         for w in self.workers:
-            await self._probe(w)
-            self._spawn(self._probe_loop(w))
+            await self.supervisor.probe(w)
+            self._spawn(self.supervisor.probe_loop(w))
 
     async def ensure_started(self) -> None:
         """A deferred pool's engines start (once, whoever asks first; the
@@ -200,23 +264,21 @@ class WorkerPool(Supervision, Running):
         self._accepting = False
         if self._starting is not None and not self._starting.done():  # its engine processes must not outlive us
             await asyncio.gather(self._starting, return_exceptions=True)
-        while self._queue:
-            waiter = heapq.heappop(self._queue)
-            if not waiter.future.done():
-                waiter.future.set_exception(ShuttingDown("the server is shutting down"))
-        if self._running and timeout > 0:
+        self.admission.drain()
+        if self.running and timeout > 0:
             try:
-                await asyncio.wait_for(self._idle.wait(), timeout)
+                await asyncio.wait_for(self.runner.wait_idle(), timeout)
             except (TimeoutError, asyncio.TimeoutError):
                 logger.warning(
                     "%s: %d requests still running after %.1fs; aborting them",
-                    self.name, self._running, timeout,
+                    self.name, self.running, timeout,
                 )
         for w in self.workers:
             for t in list(w.tasks):
                 t.cancel()
         await cancel_and_wait(list(self._background))
         await asyncio.gather(*(w.engine.stop() for w in self.workers), return_exceptions=True)
+        await self.policy.close()
         for w in self.workers:
             w.alive = False
 
@@ -268,101 +330,42 @@ class WorkerPool(Supervision, Running):
             for r in reqs:
                 lora = r.lora.name if r.lora is not None else None
                 key = self.policy.key_for_tokens(r.prompt_token_ids, session, lora) if keyed else None
-                held.append((r, Slot(await self._acquire(r.priority, r.deadline, key))))
+                cost = request_cost(r)
+                w = await self.admission.take(
+                    r.priority, r.deadline, key, tenant=r.api_key_name or "", cost=cost, ttft=r.ttft_deadline
+                )
+                held.append((r, Slot(w, cost=cost, tenant=r.api_key_name or "")))
         except BaseException:
             for _, slot in held:
                 self._release_slot(slot)
             raise
-        return PoolLease(name, held, self._run, self._relay, self._release_slot)
+        return PoolLease(name, held, self.runner.run, self.runner.relay, self._release_slot)
 
     async def _acquire_relay(self, call: RelayCall, session: str | None = None) -> PoolLease:
         """A slot, then the node's acceptance of the call (its status line):
         a node that refuses or cannot be reached fails admission. The
         upstream's policy picks the node (`session` for it)."""
-        slot = Slot(await self._acquire(call.priority, call.deadline))
+        cost = relay_cost(call)
+        slot = Slot(
+            await self.admission.take(
+                call.priority, call.deadline, tenant=call.api_key_name or "", cost=cost, ttft=call.ttft_deadline
+            ),
+            cost=cost, tenant=call.api_key_name or "",
+        )
         try:
             slot.opened = await slot.worker.engine.open(call, session)  # type: ignore[attr-defined]
         except BaseException:
             self._release_slot(slot)
             raise
-        return PoolLease(call.model, [(call, slot)], self._run, self._relay, self._release_slot)
-
-    async def _acquire(self, priority: int, deadline: float | None, key: RouteKey | None = None) -> Worker:
-        if not self._accepting:
-            self.counters.rejected["shutting_down"] += 1
-            raise ShuttingDown("the server is shutting down", retry_after=5)
-        if not self._queue:
-            w = self._pick(key)
-            if w is not None:
-                w.in_flight += 1
-                self.counters.dispatched += 1
-                return w
-        if not any(w.alive for w in self.workers):
-            self.counters.rejected["no_worker"] += 1
-            raise EngineDead(
-                f"model {self.name!r} has no live worker (restarting)", retry_after=5
-            )
-        if self._queued >= self.max_queue_size:
-            self.counters.rejected["queue_full"] += 1
-            raise QueueFull(
-                f"the queue of model {self.name!r} is full "
-                f"({self.max_queue_size} waiting); retry later",
-                retry_after=1,
-            )
-        loop = asyncio.get_running_loop()
-        waiter = Waiter(priority, next(self._seq), loop.create_future(), time.monotonic(), key=key)
-        heapq.heappush(self._queue, waiter)
-        self._queued += 1
-        self._queued_by_priority[priority] += 1
-        wait = self.max_queue_wait
-        if deadline is not None:
-            wait = min(wait, max(0.0, deadline - time.monotonic()))
-        try:
-            w = await asyncio.wait_for(asyncio.shield(waiter.future), wait)
-        except (TimeoutError, asyncio.TimeoutError):
-            self._forget(waiter)
-            if waiter.future.done() and not waiter.future.exception():
-                return waiter.future.result()  # assigned at the last moment
-            self.counters.rejected["queue_timeout"] += 1
-            raise QueueTimeout(
-                f"request waited {wait:.1f}s in the queue of model {self.name!r} "
-                "without a free engine slot; it was not started",
-                retry_after=1,
-            ) from None
-        except asyncio.CancelledError:
-            self._forget(waiter)
-            if waiter.future.done() and not waiter.future.cancelled() and not waiter.future.exception():
-                self._release(waiter.future.result())
-            raise
-        self.counters.queue_time_total += time.monotonic() - waiter.enqueued
-        return w
-
-    def _forget(self, waiter: Waiter) -> None:
-        if not waiter.cancelled:
-            waiter.cancelled = True
-            if not waiter.future.done():
-                self._queued -= 1
-                self._queued_by_priority[waiter.priority] -= 1
+        return PoolLease(call.model, [(call, slot)], self.runner.run, self.runner.relay, self._release_slot)
 
     def _release_slot(self, slot: Slot) -> None:
+        """The lease's way to give a slot back (once; later calls do nothing)."""
         if not slot.released:
             slot.released = True
             if slot.opened is not None:
                 slot.opened.close()  # never relayed: the node sees the disconnect
-            self._release(slot.worker)
-
-    def _release(self, w: Worker) -> None:
-        w.in_flight -= 1
-        while self._queue and w.free > 0:
-            waiter = heapq.heappop(self._queue)
-            if waiter.cancelled or waiter.future.done():
-                continue
-            self._queued -= 1
-            self._queued_by_priority[waiter.priority] -= 1
-            target = self._pick(waiter.key) or w
-            target.in_flight += 1
-            self.counters.dispatched += 1
-            waiter.future.set_result(target)
+            self.admission.give_back(slot.worker, slot.cost, slot.tenant)
 
     # ---- generation ----------------------------------------------------
     async def generate(
@@ -382,8 +385,9 @@ class WorkerPool(Supervision, Running):
     async def embed(self, req: EmbeddingRequest, session: str | None = None) -> Embedded:
         if self.lazy and not self._started:
             await self.ensure_started()
-        w = await self._acquire(req.priority, req.deadline)
-        self._begin()
+        w = await self.admission.take(req.priority, req.deadline, tenant=req.api_key_name or "",
+                                cost=sum(map(len, req.inputs)))
+        self.runner.begin()
         try:
             coro = w.engine.embed(req)
             if req.deadline is not None:
@@ -396,8 +400,8 @@ class WorkerPool(Supervision, Running):
             w.saw_output()
             return Embedded(self.name, vectors)
         except EngineDead as e:
-            self._on_dead(w, e)
+            self.supervisor.on_dead(w, e)
             raise
         finally:
-            self._end()
-            self._release(w)
+            self.runner.end()
+            self.admission.give_back(w, tenant=req.api_key_name or "")

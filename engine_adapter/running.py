@@ -1,16 +1,20 @@
-"""Running admitted requests of a WorkerPool (engine_adapter/pool.py, which
-inherits this): a producer task pumps a local engine's deltas into the
-request's channel, or a node's answer is relayed as it comes. A client
-disconnect, the request deadline and shutdown all cancel the producer, which
-aborts the engine request; the slot is released however a request ends. The
-attributes and methods relied on are declared here."""
+"""Running admitted requests of a WorkerPool: a producer task pumps a local
+engine's deltas into the request's channel, or a node's answer is relayed as
+it comes. A client disconnect, the request deadline and shutdown all cancel
+the producer, which aborts the engine request.
+
+A `Runner` is owned by its pool and given what it needs: the pool's name
+(for logs), `on_dead` (the supervisor's: a worker whose engine died) and
+`accepting` (whether the pool still serves: a cancel while draining says
+so). It never touches slots: the lease (engine_adapter/lease.py) alone
+releases them, after the run ends."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 
 from engine_adapter.channel import END, TICK, Channel, Ticker
@@ -22,59 +26,66 @@ from engine_adapter.workers import Worker
 logger = logging.getLogger("engine_adapter.pool")
 
 
-class Running:
-    name: str
-    _accepting: bool
-    _running: int
-    _idle: asyncio.Event
-
-    def _release_slot(self, slot: Slot) -> None:
-        raise NotImplementedError
-
-    def _on_dead(self, w: Worker, err: BaseException) -> None:
-        raise NotImplementedError
+class Runner:
+    def __init__(
+        self,
+        name: str,
+        *,
+        on_dead: Callable[[Worker, BaseException], None],
+        accepting: Callable[[], bool],
+        observe: Callable[[int, Sequence[int], int], None] = lambda index, tokens, cached: None,
+    ) -> None:
+        self.name = name
+        self._on_dead = on_dead
+        self._accepting = accepting
+        # what the engine's prefix cache held for a request (its first output):
+        # the routing policy's check of its prediction (kv-events)
+        self._observe = observe
+        self._running = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @property
     def running(self) -> int:
+        """Requests running now (streams, relays, embeddings)."""
         return self._running
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
-    def _begin(self) -> None:
+    def begin(self) -> None:
         self._running += 1
         self._idle.clear()
 
-    def _end(self) -> None:
+    def end(self) -> None:
         self._running -= 1
         if self._running == 0:
             self._idle.set()
 
-    async def _relay(self, slot: Slot, call: RelayCall) -> AsyncGenerator[bytes | RelayUsage, None]:
-        """Relay the node's answer to `call`; the slot is released at the end."""
-        self._begin()
+    async def relay(self, slot: Slot, call: RelayCall) -> AsyncGenerator[bytes | RelayUsage, None]:
+        """Relay the node's answer to `call` (the lease releases the slot)."""
+        self.begin()
         try:
             async with aclosing(slot.opened.items()) as items:
                 async for item in items:
                     yield item
         finally:
-            self._end()
-            self._release_slot(slot)
+            self.end()
 
-    async def _run(
+    async def run(
         self, slot: Slot, req: GenerationRequest, idle_tick: float | None = None
     ) -> AsyncGenerator[list[EngineOutput] | None, None]:
         """Run an admitted request on its slot's worker: its deltas in lists
         of what was ready together (one engine step each when the consumer
         keeps up). Errors are `GatewayError`s. With `idle_tick`, yields None
         whenever nothing came for that many seconds (SSE keep-alives). The
-        slot is released at the end, however it ends."""
+        lease releases the slot once this ends, however it ends."""
         w = slot.worker
         channel = Channel()
         ticker = Ticker(channel, idle_tick) if idle_tick else None
         producer = asyncio.ensure_future(self._pump(w, req, channel))
         w.tasks.add(producer)
-        self._begin()
+        self.begin()
         timer: asyncio.TimerHandle | None = None
         if req.deadline is not None:
             loop = asyncio.get_running_loop()
@@ -118,8 +129,7 @@ class Running:
                 except BaseException:
                     pass
             w.tasks.discard(producer)
-            self._end()
-            self._release_slot(slot)
+            self.end()
 
     def _expire(self, producer: asyncio.Task[None], channel: Channel, req: GenerationRequest) -> None:
         if not producer.done():
@@ -128,15 +138,19 @@ class Running:
 
     async def _pump(self, w: Worker, req: GenerationRequest, channel: Channel) -> None:
         put = channel.put
+        first = True
         try:
             async for out in w.engine.generate(req):
                 w.saw_output()
+                if first:
+                    first = False
+                    self._observe(w.index, req.prompt_token_ids, out.cached_tokens)
                 put(out)
             w.last_ready = time.monotonic()
             put(END)
         except asyncio.CancelledError:
             await w.abort_quietly(req.request_id)
-            if not self._accepting:
+            if not self._accepting():
                 put(ShuttingDown("the server shut down before the request finished"))
             raise
         except GatewayError as e:

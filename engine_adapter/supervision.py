@@ -1,8 +1,13 @@
 """Supervision and readiness of a WorkerPool's workers: a dead worker is
 restarted with back-off (its in-flight requests already failed cleanly), and
 readiness means a real generation recently (a probe, or with passive
-readiness any output the engine produced). WorkerPool (engine_adapter/pool.py)
-inherits this; the attributes and methods it relies on are declared here."""
+readiness any output the engine produced).
+
+A `Supervisor` is owned by its pool and given what it needs: the workers, the
+engine factory, `spawn` (a background task the pool stops with itself),
+`accepting` (whether the pool still serves: no restart while draining),
+`forget` (the routing policy's: a dead worker's KV cache goes with it) and
+`wake` (a restarted worker takes the waiting requests)."""
 
 from __future__ import annotations
 
@@ -13,7 +18,6 @@ from collections.abc import Awaitable, Callable
 
 from engine_adapter.errors import EngineDead
 from engine_adapter.readiness import probe_once
-from engine_adapter.routing.policy import RoutingPolicy
 from engine_adapter.types import Engine
 from engine_adapter.workers import Worker
 
@@ -22,41 +26,51 @@ logger = logging.getLogger("engine_adapter.pool")
 EngineFactory = Callable[[int], Engine]
 
 
-class Supervision:
-    name: str
-    workers: list[Worker]
-    readiness_interval: float
-    probe_timeout: float
-    restart_backoff: tuple[float, float]
-    policy: RoutingPolicy
-    _accepting: bool
-    _factory: EngineFactory
+class Supervisor:
+    def __init__(
+        self,
+        name: str,
+        workers: list[Worker],
+        factory: EngineFactory,
+        *,
+        spawn: Callable[[Awaitable[None]], None],
+        accepting: Callable[[], bool],
+        forget: Callable[[int], None],
+        wake: Callable[[Worker], None],
+        readiness_interval: float = 5.0,
+        probe_timeout: float | None = None,
+        restart_backoff: tuple[float, float] = (1.0, 30.0),
+    ) -> None:
+        self.name = name
+        self.workers = workers
+        self._factory = factory
+        self._spawn = spawn
+        self._accepting = accepting
+        self._forget = forget
+        self._wake = wake
+        self.readiness_interval = readiness_interval
+        self.probe_timeout = probe_timeout if probe_timeout is not None else readiness_interval
+        self.restart_backoff = restart_backoff
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        raise NotImplementedError
-
-    def _release(self, w: Worker) -> None:
-        raise NotImplementedError
-
-    def _on_dead(self, w: Worker, err: BaseException) -> None:
+    def on_dead(self, w: Worker, err: BaseException) -> None:
         if not w.alive:
             return
         logger.error("%s worker %d died: %s; restarting", self.name, w.index, err)
         w.alive = False
         w.last_ready = None
-        self.policy.forget(w.index)  # its KV cache goes with it
+        self._forget(w.index)  # its KV cache goes with it
         for t in list(w.tasks):
             t.cancel()
-        if self._accepting:
-            self._spawn(self._restart(w))
+        if self._accepting():
+            self._spawn(self.restart(w))
 
-    async def _restart(self, w: Worker) -> None:
+    async def restart(self, w: Worker) -> None:
         delay, cap = self.restart_backoff
         try:
             await w.engine.stop()
         except Exception:
             logger.debug("stopping dead engine failed", exc_info=True)
-        while self._accepting:
+        while self._accepting():
             # The new engine takes the worker's place once it runs: while it
             # starts (~20 s on CPU, the event loop serving), the old one's card
             # and tokenizer answer what the pool is asked (`pool.card`).
@@ -79,13 +93,11 @@ class Supervision:
             w.alive = True
             w.restarts += 1
             logger.info("%s worker %d restarted", self.name, w.index)
-            await self._probe(w)
-            # wake waiters that can now be served
-            w.in_flight += 1
-            self._release(w)
+            await self.probe(w)
+            self._wake(w)  # waiters that can now be served
             return
 
-    async def _probe(self, w: Worker) -> None:
+    async def probe(self, w: Worker) -> None:
         """A real 1-token generation (or a health call for embedding models)."""
         if not w.alive:
             return
@@ -95,7 +107,7 @@ class Supervision:
             logger.warning("%s worker %d: readiness probe timed out", self.name, w.index)
             return
         except EngineDead as e:
-            self._on_dead(w, e)
+            self.on_dead(w, e)
             return
         except Exception as e:
             logger.warning("%s worker %d: readiness probe failed: %s", self.name, w.index, e)
@@ -115,10 +127,10 @@ class Supervision:
     # per interval, ready for one interval.
     passive_readiness: bool = True
 
-    def _ready_window(self) -> float:
+    def ready_window(self) -> float:
         return self.readiness_interval * (1.5 if self.passive_readiness else 1.0)
 
-    async def _probe_loop(self, w: Worker) -> None:
+    async def probe_loop(self, w: Worker) -> None:
         half = self.readiness_interval / 2
         stale_after = self.readiness_interval if self.passive_readiness else half
         while True:
@@ -126,7 +138,7 @@ class Supervision:
             seen = w.last_sign_of_life(self.passive_readiness)
             fresh = seen is not None and time.monotonic() - seen < stale_after
             if w.alive and not fresh:
-                await self._probe(w)
+                await self.probe(w)
 
     def alive_workers(self) -> int:
         return sum(1 for w in self.workers if w.alive)
@@ -136,7 +148,7 @@ class Supervision:
         n = 0
         for w in self.workers:
             seen = w.last_sign_of_life(self.passive_readiness)
-            if w.alive and seen is not None and now - seen <= self._ready_window():
+            if w.alive and seen is not None and now - seen <= self.ready_window():
                 n += 1
         return n
 

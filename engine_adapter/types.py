@@ -70,6 +70,7 @@ class GenerationRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() value; None: no deadline
     api_key_name: str | None = None
+    ttft_deadline: float | None = None  # time.monotonic() its first token is due (admission only)
     # False: the client takes the whole answer at once; an engine may then
     # produce it in one piece (the remote backend makes one non-streamed call)
     stream: bool = True
@@ -106,6 +107,7 @@ class RelayCall:
     arrival_time: float = field(default_factory=time.monotonic)
     api_key_name: str | None = None
     headers: tuple[tuple[str, str], ...] = ()  # sent upstream as well (the gateway's X-Request-Id)
+    ttft_deadline: float | None = None  # time.monotonic() its first token is due (admission only)
     node_model: str | None = None  # the model id sent to the node (an adapter's); None: the upstream's own
 
 

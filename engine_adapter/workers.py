@@ -1,4 +1,4 @@
-"""What a WorkerPool keeps per worker and per waiting request."""
+"""What a WorkerPool keeps per worker (a waiting request: engine_adapter/scheduler.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine_adapter.types import Engine
 
@@ -50,16 +49,6 @@ class Worker:
             await self.engine.abort(request_id)
         except Exception:
             logger.debug("abort of %s failed", request_id, exc_info=True)
-
-
-@dataclass(order=True, slots=True)
-class Waiter:
-    priority: int
-    seq: int
-    future: asyncio.Future[Worker] = field(compare=False)
-    enqueued: float = field(compare=False, default=0.0)
-    cancelled: bool = field(compare=False, default=False)
-    key: Any = field(compare=False, default=None)  # its routing key (routing/policy.py RouteKey)
 
 
 @dataclass(slots=True)

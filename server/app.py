@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from engine_adapter.metrics import EngineMetrics
 from engine_adapter.pool import WorkerPool
+from server import discovery
 from server.access_log import AccessLog, parse_proxies
 from server.auth import KeyStore
 from server.console import setup_console
@@ -26,6 +27,7 @@ from server.limits import Limits
 from server.metrics import GatewayMetrics, LoopCollector, PoolCollector
 from server.metrics_multiproc import AppRegistry, LiveExport, multiprocess_registry
 from server.middleware import GatewayMiddleware, RecordSink
+from server.queueing import QueueCollector, configure_queues
 from server.routes import (
     admin,
     chat,
@@ -36,6 +38,7 @@ from server.routes import (
     lora,
     messages,
     models,
+    queue,
     responses,
     routing_admin,
     tokenize,
@@ -79,6 +82,11 @@ def create_app(
     mp_registry = multiprocess_registry(registry)
     holder: dict[str, Gateway] = {}
     access_log, tracing = _observability(settings)
+    state_store = None
+    if settings.state_url is not None:
+        from server.state_store import StateStore
+
+        state_store = StateStore(settings.state_url, settings.state_timeout, settings.state_lease_ttl, registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,7 +98,8 @@ def create_app(
 
             served = build_served_pools(settings, EngineMetrics(registry, settings.max_model_len or 8192))
         gw = Gateway(settings, served)
-        gw.limits = Limits(gw_metrics)
+        configure_queues(gw.pools, settings.queue_policy, app.state.keys.entries)  # fair share, the keys' weights
+        gw.limits = Limits(gw_metrics, state_store, settings.state_fail)  # state_store: --state-url
         gw.limits.budgets = app.state.usage.budgets  # server/usage: the keys' budgets at admission
         holder["gw"] = gw
         app.state.gateway = gw
@@ -108,7 +117,11 @@ def create_app(
             tracing.start()
         try:
             await start_usage(app)  # the usage ledger: migrations, budgets from the database, its writer
+            if state_store is not None:
+                state_store.attach_budgets(app.state.usage.budgets)  # budgets' running totals, shared
+                await state_store.start()  # unreachable: follows --state-fail, probes until it answers
             await asyncio.gather(*(start(p) for p in gw.pools))
+            discovery.start_discovery(app, gw)  # models the upstream nodes list, before aliases name them
             await lora.start_lora(app, gw)  # adapters first: aliases may name them
             routing_admin.start_routing(app, gw)  # aliases and fallbacks over started pools; SIGHUP reloads
             monitor = await start_device_monitor(settings, registry)
@@ -122,10 +135,13 @@ def create_app(
             if live_export is not None:
                 await live_export.stop()
             routing_admin.stop_routing(app)
+            discovery.stop_discovery(app)
             await lora.stop_lora(app)
             gw.draining = True
             await asyncio.gather(*(p.stop(settings.shutdown_timeout) for p in started))
             await stop_usage(app)  # the usage ledger writes (or spools) what is left
+            if state_store is not None:
+                await state_store.close()
             if monitor is not None:
                 await monitor.stop()
             if tracing is not None:
@@ -151,9 +167,10 @@ def create_app(
     registry.register(
         PoolCollector(lambda: holder["gw"].pools if "gw" in holder else [], gw_metrics.rejections)
     )
+    registry.register(QueueCollector(lambda: holder["gw"].pools if "gw" in holder else []))
     registry.register(LoopCollector())
     install_error_handlers(app)
-    for r in (chat, completions, responses, messages, generate, embeddings, models, tokenize, health, admin):
+    for r in (chat, completions, responses, messages, generate, embeddings, models, tokenize, health, admin, queue):
         app.include_router(r.router)
     routing_admin.setup_routing(app, registry)  # /admin/routes, upstream metrics
     lora.setup_lora(app, registry)  # /v1/load_lora_adapter, /v1/unload_lora_adapter, per-adapter metrics

@@ -38,6 +38,10 @@ class KeyEntry:
     requests_per_day: int | None = None
     requests_per_month: int | None = None
     expires_at: float | None = None  # seconds since 1970 (UTC)
+    # fair share (engine_adapter/scheduler.py): this key's share of the slots
+    # inside one priority, relative to the others (default 1)
+    weight: float = 1.0
+    ttft_deadline_ms: float | None = None  # default x-ttft-deadline-ms of its requests
 
 
 BUDGET_NAMES = ("tokens_per_day", "tokens_per_month", "requests_per_day", "requests_per_month")
@@ -91,6 +95,8 @@ class _KeyFileEntry(BaseModel):
     # a date (the key stops working at 00:00 UTC that day) or a date and time
     # (UTC unless it says otherwise); YAML reads either unquoted, a string works too
     expires_at: datetime | date | None = None
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False)
+    ttft_deadline_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     @field_validator("expires_at", mode="before")
     @classmethod
@@ -162,6 +168,8 @@ def load_keys_file(path: Path) -> list[KeyEntry]:
                 requests_per_day=k.requests_per_day,
                 requests_per_month=k.requests_per_month,
                 expires_at=epoch_of(k.expires_at),
+                weight=k.weight,
+                ttft_deadline_ms=k.ttft_deadline_ms,
             )
         )
     names = [e.name for e in out]

@@ -1,4 +1,4 @@
-"""`npu-gateway serve` and `npu-gateway prepare-model`."""
+"""`npu-gateway serve`, `npu-gateway plan` and `npu-gateway prepare-model`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -148,9 +149,24 @@ def serve(settings: Settings) -> None:
             print(f"npu-gateway: {problem}", file=sys.stderr)
             raise SystemExit(2)
         raise SystemExit(serve_workers(settings))
+    check_placement(settings)  # engines that do not fit the devices: exit 2 before anything starts
     server = build_server(settings)  # settings and keys are checked first (exit 2)
     sock = listening_socket(settings.host, settings.port)  # then the port, before the engines start
     server.run(sockets=[sock])
+
+
+def check_placement(settings: Settings) -> None:
+    """Refuse at start (exit 2), before any engine starts or any model is
+    prepared, when the engines do not fit the devices (server/placement.py)."""
+    from server.models_setup import device_for
+    from server.placement import DeviceListError, PlacementError, engine_placement
+
+    try:
+        engine_placement(settings, device_for(settings))
+    except (DeviceListError, PlacementError) as e:
+        print(f"npu-gateway: cannot place the engines: {e} (`npu-gateway plan` with the same flags shows "
+              "the devices)", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -185,6 +201,16 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     serve_p = sub.add_parser("serve", help="serve the OpenAI-compatible API", usage="npu-gateway serve [options]")
     add_settings_arguments(serve_p)
+    plan_p = sub.add_parser(
+        "plan", help="print each engine serve would start: model, devices, memory fraction, environment "
+        "(starts nothing; exit 2 when the engines do not fit)",
+    )
+    add_settings_arguments(plan_p)
+    plan_p.add_argument(
+        "--npu-smi-output", type=Path, default=None, metavar="FILE",
+        help="read the NPUs from this recorded `npu-smi info` output instead of running npu-smi "
+        "(e.g. on a login node); implies --device npu unless --device is given",
+    )
     sub.add_parser("prepare-model", help="convert the embedded model once (no network)")
     from server.usage import cli as usage_cli
 
@@ -200,6 +226,10 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # pydantic ValidationError: a clear message, no trace
         print(f"npu-gateway: invalid settings:\n{e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if ns.command == "plan":
+        from server.plan import run_plan
+
+        raise SystemExit(run_plan(settings, sys.stdout, sys.stderr, npu_smi_output=ns.npu_smi_output))
     serve(settings)
 
 

@@ -7,9 +7,10 @@ A passed-through request needs only what the gateway owns from its body:
 limits (the key's per-minute budget) and `user` (the session key). The node
 validates the rest, as it would without a gateway in front. Everything else
 is the full path's: authentication, the key's model list and limits,
-admission (`server/generation.py admit`), the relay (`server/relay.py`), the
-error shapes; the middleware around it keeps the request id, the metrics,
-the access log and the trace.
+admission (`server/generation.py admit`), the relay (`server/relay.py`
+`RelayAnswer`), the disconnect watch (server/disconnect.py), the error
+shapes; the middleware around it keeps the request id, the metrics, the
+access log and the trace.
 
 A request is taken here only when its body is a JSON object whose `model`
 names a pool of upstream nodes (not an alias or a name with fallbacks) and
@@ -29,13 +30,12 @@ from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
 from engine_adapter.errors import EngineError, GatewayError
-from engine_adapter.types import RelayCall, RelayUsage
-from server import sse
 from server.ask import RouteAsk
 from server.auth import authenticate
+from server.disconnect import Watch
 from server.errors import shape_for
-from server.generation import admit, forwarded, note_outcome, openai_stream_error, session_of
-from server.relay import first_bytes
+from server.generation import admit, forwarded, note_outcome, session_of
+from server.relay import RelayAnswer
 from server.state import Gateway, ServedModel
 from server.validation import deadline_after, new_id
 
@@ -114,38 +114,6 @@ def plan(gw: Gateway, raw: bytes, path: str, generates: bool) -> _Take | None:
     return take
 
 
-class Watch:
-    """Cancels the task serving a request when its client disconnects.
-    Armed from the start of the request to its last byte; `until_disconnect`
-    (server/generation.py) then needs no watcher of its own."""
-
-    __slots__ = ("armed", "gone", "task", "watcher")
-
-    def __init__(self, receive: Receive) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.task = task
-        self.armed = True
-        self.gone = False
-        self.watcher = asyncio.ensure_future(self._watch(receive))
-
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if self.armed:  # else the answer was complete (uvicorn reports that as a disconnect too)
-            self.gone = True
-            self.task.cancel("client disconnected")
-
-    def stop(self, answered: bool) -> None:
-        """`answered`: the response is complete, so the watcher's receive
-        returns by itself (uvicorn then reports a disconnect) and ends on its
-        next step; cancelling it would throw through its frames, a measurable
-        share of a short request's CPU. Else it is cancelled."""
-        self.armed = False
-        if not answered:
-            self.watcher.cancel()
-
-
 class _Route:
     """What the middleware's metrics read from `scope["route"]`."""
 
@@ -156,10 +124,6 @@ class _Route:
 
 
 _ROUTES = {path: _Route(path) for path in PATHS}
-_JSON = (b"content-type", b"application/json")
-_SSE = [(b"content-type", b"text/event-stream; charset=utf-8")] + [
-    (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in sse.SSE_HEADERS.items()
-]
 
 
 class FastRelay:
@@ -205,7 +169,7 @@ class FastRelay:
             await shape_for(path).response(e)(scope, receive, send)
             answered = True
         except asyncio.CancelledError:
-            if not watch.gone or watch.task.uncancel() > 0:
+            if not watch.left():
                 raise
             note_outcome(state, "cancelled")  # the client left: nothing to answer
         except Exception:
@@ -230,48 +194,9 @@ async def _serve(request: Request, gw: Gateway, take: _Take, raw: bytes, prefix:
     )
     ask.path = request.scope["path"]
     gen = await admit(request, gw, principal, model, ask, session_of(request, take.user))
-    call = gen.lease.requests[0]
-    assert isinstance(call, RelayCall)
-    items = gen.lease.relay()
-    try:
-        first = await first_bytes(items, gen)
-        if not call.stream:
-            async for item in items:
-                if isinstance(item, RelayUsage):
-                    gen.took(item)
-    except BaseException:
-        await items.aclose()
-        gen.finish()
-        raise
-    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in gen.headers().items()]
-    if not call.stream:
-        await items.aclose()
-        gen.finish()
-        headers += [_JSON, (b"content-length", b"%d" % len(first))]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": first})
-        return
-    try:
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE + headers})
-        await send({"type": "http.response.body", "body": first, "more_body": True})
-        async for item in items:
-            if isinstance(item, RelayUsage):
-                gen.took(item)
-            else:
-                await send({"type": "http.response.body", "body": item, "more_body": True})
-    except GatewayError as e:  # after the first byte: an error event ends the stream
-        note_outcome(gen.note, "error")
-        err = e if isinstance(e, EngineError) else EngineError(e.message, code=e.code)
-        await send({"type": "http.response.body", "body": openai_stream_error(err), "more_body": True})
-    except Exception:
-        logger.exception("stream failed")
-        note_outcome(gen.note, "error")
-        err = EngineError("internal error while streaming; see the gateway log")
-        await send({"type": "http.response.body", "body": openai_stream_error(err), "more_body": True})
-    finally:
-        await items.aclose()
-        gen.finish()
-    await send({"type": "http.response.body", "body": b""})
+    answer = RelayAnswer(gen, stream=take.stream)
+    await answer.start()
+    await answer(request.scope, request.receive, send)
 
 
 def _replay(read: list[Message], receive: Receive) -> Receive:

@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -37,13 +37,14 @@ from engine_adapter.types import EngineOutput, GenerationRequest, RelayUsage
 from server import sse
 from server.ask import RouteAsk, engine_trace
 from server.auth import Principal
-from server.errors import ClientDisconnected, error_event, error_response
+from server.disconnect import until_disconnect, watched
+from server.errors import error_event, error_response
 from server.limits import Admission
+from server.queueing import ttft_deadline, with_deadline
 from server.render import Choice, usage
 from server.state import Gateway, ServedModel
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 SERVED_BY = "x-npugw-served-by"
 Key = tuple[int, int]  # (prompt, choice index)
@@ -247,6 +248,7 @@ async def admit(
         budget = sum(len(r.prompt_token_ids) + r.sampling.max_tokens * r.sampling.n for r in ask)
     else:
         budget = ask.budget()
+    ask = with_deadline(ask, ttft_deadline(request, principal))  # a bad header is a 400 here, before any limit
     note = request.scope.setdefault("state", {})
     note.update(key=principal.name, model=model.id, t_admit=time.perf_counter())
     admission = await gw.limits.admit(principal, model.id, budget)
@@ -329,49 +331,15 @@ async def json_response(
     return Response(orjson.dumps(answer), media_type="application/json", headers=gen.headers())
 
 
-async def until_disconnect(
-    request: Request, work: Awaitable[T], discard: Callable[[T], None] | None = None
-) -> T:
-    """Await `work`, cancelling it (so an engine request is aborted, or a
-    queue wait given up) if the client disconnects first. `discard` undoes a
-    result that came too late to be used. A request under a `Watch`
-    (server/fast_relay.py: its task is cancelled when the client leaves)
-    needs no watcher here."""
-    request_watch = request.scope.get("state", {}).get("watch")
-    if request_watch is not None and request_watch.armed:
-        return await work
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while True:
-            msg = await request.receive()
-            if msg["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        if discard is not None and task.done() and not task.cancelled() and task.exception() is None:
-            discard(task.result())
-        raise ClientDisconnected("client disconnected")
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-
-
 class SSEResponse(StreamingResponse):
     """A generation's SSE response. Before the status line it waits for the
     first token (`gen.prime()`, given up if the client leaves); a failure
     there is answered by `refuse(err)` instead, a status with an error body.
-    The disconnect watch runs on plain asyncio tasks instead of an anyio
-    task group (a measurable share of a short stream's CPU); as Starlette's,
-    a disconnect cancels the body (so the engine request is aborted) and
-    ends the response quietly. The generation is closed however it ends."""
+    The body runs in the request's task under the one disconnect watch
+    (server/disconnect.py), not in an anyio task group (a measurable share
+    of a short stream's CPU); as Starlette's, a disconnect cancels the body
+    (so the engine request is aborted) and ends the response quietly. The
+    generation is closed however it ends."""
 
     def __init__(
         self,
@@ -390,35 +358,27 @@ class SSEResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gen = self.gen
+        watch, own = watched(scope, receive)
         try:
-            try:
-                if not self.primed:
-                    await until_disconnect(Request(scope, receive), gen.prime(self.keep_alive))
-            except GatewayError as e:
-                await gen.close()
-                await self.refuse(e)(scope, receive, send)
-                return
-            except asyncio.CancelledError:
-                note_outcome(gen.note, "cancelled")
-                return  # the client left before the first token
+            if not self.primed:
+                try:
+                    await gen.prime(self.keep_alive)
+                except GatewayError as e:
+                    await gen.close()
+                    await self.refuse(e)(scope, receive, send)
+                    return
             for k, v in gen.headers().items():  # known now: the target that answers
                 self.raw_headers.append((k.lower().encode("latin-1"), v.encode("latin-1")))
-            stream = asyncio.ensure_future(self.stream_response(send))
-            watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
-            try:
-                done, _ = await asyncio.wait((stream, watcher), return_when=asyncio.FIRST_COMPLETED)
-                if stream not in done:
-                    note_outcome(gen.note, "cancelled")  # the client left mid-stream
-            finally:
-                for task in (stream, watcher):
-                    task.cancel()
-                await asyncio.gather(stream, watcher, return_exceptions=True)
-            error = None if stream.cancelled() else stream.exception()
-            if error is not None:
-                raise error
+            await self.stream_response(send)
             if self.background is not None:
                 await self.background()
+        except asyncio.CancelledError:
+            if not watch.left():
+                raise
+            note_outcome(gen.note, "cancelled")  # the client left: before the first token, or mid-stream
         finally:
+            if own:
+                watch.stop()
             # A disconnect can cancel the response while it awaits a socket
             # write, leaving the body suspended at a `yield`: close it now so
             # the engine request is aborted at once, not when it is collected.

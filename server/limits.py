@@ -4,6 +4,11 @@ key carries OpenAI's x-ratelimit-* headers.
 
 Token use is reserved at admission (prompt + max_tokens, as OpenAI counts it)
 and settled to the real count when the request ends.
+
+With `--state-url` the counts live in Valkey/Redis (server/state_store.py)
+and hold for every process and replica together; while the store does not
+answer, `--state-fail open` counts in this process (as without a store) and
+`closed` answers 503 with Retry-After.
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine_adapter.errors import GatewayError, RateLimited
+from engine_adapter.errors import GatewayError, RateLimited, ServiceUnavailable
 from server.auth import KeyEntry, Principal
 from server.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
+    from server.state_store import Decision, Hold, StateStore
     from server.usage.budgets import BudgetBook
 
 WINDOW = 60.0
@@ -49,7 +55,7 @@ class _Usage:
 class Admission:
     """One admitted request's hold on its key's limits."""
 
-    __slots__ = ("_budget", "_done", "_entry", "_headers", "_limits", "_model", "_slot", "_usage")
+    __slots__ = ("_budget", "_done", "_entry", "_headers", "_hold", "_limits", "_model", "_slot", "_usage")
 
     def __init__(
         self,
@@ -60,7 +66,9 @@ class Admission:
         model: str,
         headers: dict[str, str],
         budget: str | None = None,
+        hold: Hold | None = None,
     ) -> None:
+        self._hold = hold  # its record in the shared store (--state-url)
         self._budget = budget  # the key whose budgets hold this request in flight
         self._limits = limits
         self._entry = entry
@@ -86,6 +94,8 @@ class Admission:
             if self._slot is not None and self._slot in u.tokens:
                 u.token_sum += tokens - self._slot[1]
                 self._slot[1] = float(tokens)
+        if self._hold is not None and self._limits.store is not None:
+            self._limits.store.settle(self._hold, tokens)
         name = self._entry.name if self._entry is not None else None
         self._limits.metrics.key_used(name, self._model, prompt, completion)
 
@@ -94,8 +104,10 @@ class Admission:
 
 
 class Limits:
-    def __init__(self, metrics: GatewayMetrics) -> None:
+    def __init__(self, metrics: GatewayMetrics, store: StateStore | None = None, fail: str = "open") -> None:
         self.metrics = metrics
+        self.store = store  # shared counts (--state-url); None: this process's only
+        self.fail_open = fail == "open"
         self._usage: dict[str, _Usage] = {}
         self.budgets: BudgetBook | None = None  # server/usage: per day and month, from the ledger
 
@@ -110,11 +122,66 @@ class Limits:
                 self.metrics.rejected(model, "key_budget")
                 raise
         try:
+            e = principal.entry
+            if self.store is not None and e is not None and (
+                e.requests_per_minute or e.tokens_per_minute or e.max_concurrent
+            ):
+                shared = await self._admit_shared(e, model, tokens, held, budget_headers)
+                if shared is not None:
+                    return shared
             return self._admit(principal, model, tokens, held, budget_headers)
         except BaseException:
             if held is not None and self.budgets is not None:
                 self.budgets.release(held)
             raise
+
+    async def _admit_shared(
+        self, e: KeyEntry, model: str, tokens: int, held: str | None, budget_headers: dict[str, str]
+    ) -> Admission | None:
+        """Through the store; None when it does not answer and `--state-fail open`."""
+        store = self.store
+        assert store is not None
+        if store.available():
+            try:
+                d, hold = await store.admit(e.name, e.requests_per_minute or 0, e.tokens_per_minute or 0,
+                                            e.max_concurrent or 0, tokens, WINDOW)
+            except Exception:
+                pass  # counted and logged by the store
+            else:
+                headers = self._shared_headers(e, d)
+                if not d.ok:
+                    self.metrics.rejected(model, "key_rate_limit")
+                    why = {1: f"{e.requests_per_minute} requests per minute",
+                           2: f"{e.tokens_per_minute} tokens per minute",
+                           3: f"{e.max_concurrent} concurrent requests",
+                           4: f"{e.tokens_per_minute} tokens per minute (this request needs {tokens})"}[d.why]
+                    retry = max(d.retry, 0.001)
+                    raise RateLimited(
+                        f"Rate limit reached for key `{e.name}`: {why}. Retry after {math.ceil(retry)}s.",
+                        retry_after=retry, headers=headers,
+                    )
+                self.metrics.key_request(e.name, model)
+                return Admission(self, e, None, None, model, {**headers, **budget_headers}, held, hold)
+        if self.fail_open:
+            return None
+        self.metrics.rejected(model, "state_store_down")
+        raise ServiceUnavailable(
+            "The shared state store that holds this key's limits does not answer; retry shortly.",
+            retry_after=1.0,
+        )
+
+    @staticmethod
+    def _shared_headers(e: KeyEntry, d: Decision) -> dict[str, str]:
+        h: dict[str, str] = {}
+        if e.requests_per_minute:
+            h["x-ratelimit-limit-requests"] = str(e.requests_per_minute)
+            h["x-ratelimit-remaining-requests"] = str(max(0, e.requests_per_minute - d.requests))
+            h["x-ratelimit-reset-requests"] = _reset(d.requests_reset)
+        if e.tokens_per_minute:
+            h["x-ratelimit-limit-tokens"] = str(e.tokens_per_minute)
+            h["x-ratelimit-remaining-tokens"] = str(max(0, e.tokens_per_minute - d.token_sum))
+            h["x-ratelimit-reset-tokens"] = _reset(d.tokens_reset)
+        return h
 
     def _admit(
         self, principal: Principal, model: str, tokens: int, held: str | None, budget_headers: dict[str, str]

@@ -54,7 +54,8 @@ class PoolCollector(Collector):
             for prio, n in by_prio.items():
                 depth.add_metric([p.name, str(prio)], n)
             running.add_metric([p.name], p.running)
-            for reason in ("queue_full", "queue_timeout", "no_worker", "shutting_down"):
+            for reason in ("queue_full", "queue_timeout", "deadline_unmeetable", "deadline_expired", "no_worker",
+                           "shutting_down"):
                 rejected.add_metric([p.name, reason], p.counters.rejected.get(reason, 0))
             if not p.deferred:  # an engine that starts on first use has no workers yet
                 alive.add_metric([p.name], p.alive_workers())

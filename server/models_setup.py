@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -17,8 +18,10 @@ from engine_adapter.model import EMBEDDED_EMBEDDING_NAME, EMBEDDED_MODEL_NAME, r
 from engine_adapter.pool import WorkerPool
 from engine_adapter.registry import ModelSpec, build_pool
 from engine_adapter.routing import CanaryPolicy, RouteSpec, RoutingMetrics, RoutingTable, ServedPool, route_specs
+from engine_adapter.routing.kv_sources import local_sources, remote_kv_policy
 from engine_adapter.routing.policy import PolicyOptions, make_policy, parse_policies
 from engine_adapter.routing.upstream import UpstreamConfig, parse_upstream, upstreams_of
+from server.placement import engine_placement, log_placement
 from server.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -157,8 +160,14 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
                 )
             )
         return specs
+    # Before anything else: a placement that does not fit is refused before
+    # any model is prepared or any engine starts.
+    placement = engine_placement(s, device_for(s))
+    if placement is not None:
+        log_placement(placement)
     path, default_name = resolve_model(s.model)
     names = tuple(s.served_model_name) or (default_name,)
+    default_policy, per_model = parse_policies(s.routing_policy)
     gen_bind, emb_bind = cpu_binds(s) if s.embedding_enabled else (None, None)
     engine = VllmConfig(
         model=str(path),
@@ -186,11 +195,15 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         extra=dict(s.engine_args),
         process_env=(("VLLM_CPU_OMP_THREADS_BIND", gen_bind),) if gen_bind else (),
         worker_cpu_binds=worker_binds(s, gen_bind),
+        worker_env=placement.worker_env(0) if placement else (),
+        kv_events_dir=kv_events_dir(names, default_policy, per_model),
     )
     specs = [ModelSpec(names=names, backend="vllm", vllm=engine, root=str(path), **common)]  # type: ignore[arg-type]
-    for extra_names, extra in s.extra_models():
+    for i, (extra_names, extra) in enumerate(s.extra_models(), 1):
         extra_dir, _ = resolve_model(extra)
-        cfg = replace(engine, model=str(extra_dir), served_model_name=extra_names[0], profile_frontend=False)
+        cfg = replace(engine, model=str(extra_dir), served_model_name=extra_names[0], profile_frontend=False,
+                      worker_env=placement.worker_env(i) if placement else (),
+                      kv_events_dir=kv_events_dir(extra_names, default_policy, per_model))
         specs.append(ModelSpec(names=extra_names, backend="vllm", vllm=cfg, root=str(extra_dir), **common))  # type: ignore[arg-type]
     if s.embedding_enabled:
         # Its own engine: none of the generation models' engine flags (dtype,
@@ -208,6 +221,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
             profile_dir=None,  # profiling is for the generators (the pooling worker hung on stop_profile)
             profile_frontend=False,
             process_env=embedding_env(emb_bind, embedding_busy_loop(s)),
+            worker_env=placement.worker_env(len(placement.asks) - 1) if placement else (),
         )
         if emb_bind:
             logger.info("embedding engine: OpenMP threads on cores %s (--embedding-cpu-bind %s)",
@@ -217,6 +231,13 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
                       **{**common, "num_workers": 1, "slots_per_worker": min(s.max_num_seqs, 64)})  # type: ignore[arg-type]
         )
     return specs
+
+
+def kv_events_dir(names: tuple[str, ...], default: str, per_model: Mapping[str, str]) -> str | None:
+    """A private folder for the KV event sockets of a model routed by
+    `kv-events` (its engines publish there); None for the other policies."""
+    policy = next((per_model[n] for n in names if n in per_model), default)
+    return tempfile.mkdtemp(prefix="npugw-kv-") if policy == "kv-events" else None
 
 
 def upstream_configs(settings: Settings) -> list[UpstreamConfig]:
@@ -232,7 +253,9 @@ def upstream_configs(settings: Settings) -> list[UpstreamConfig]:
 
 
 def build_remote_pools(settings: Settings) -> list[tuple[WorkerPool, tuple[str, ...], str]]:
-    """One pool per upstream: its slots bound the requests in flight to it."""
+    """One pool per upstream: its slots bound the requests in flight to it.
+    A discovering upstream's pool serves no name of its own: its models are
+    served as they are listed (server/discovery.py)."""
     from engine_adapter.backends.remote import build_remote_pool
 
     s = settings
@@ -242,7 +265,7 @@ def build_remote_pools(settings: Settings) -> list[tuple[WorkerPool, tuple[str, 
             cfg, slots_per_worker=s.max_num_seqs, max_queue_size=s.max_queue_size,
             max_queue_wait=s.max_queue_wait, readiness_interval=s.readiness_interval,
         )
-        out.append((pool, (cfg.name,), ",".join(cfg.urls)))
+        out.append((pool, () if cfg.discovers else (cfg.name,), ",".join(cfg.urls)))
     return out
 
 
@@ -259,6 +282,21 @@ def build_served_pools(
     return served
 
 
+def engine_block_tokens(settings: Settings) -> int:
+    """The KV block size (tokens) the engines run with, so that prefix
+    routing's blocks are whole engine blocks. vllm-ascend sets 128 whenever
+    prefix caching or chunked prefill is on (its refresh_block_size; both are
+    on by default), whatever --block-size says; vLLM's CPU platform 128 unless
+    --block-size; vLLM's own default 16 elsewhere, and for the simulated
+    backend (no KV blocks)."""
+    s = settings
+    if s.backend == "vllm" and device_for(s) == "npu":
+        return 128
+    if s.block_size:
+        return s.block_size
+    return 128 if s.backend == "vllm" and device_for(s) == "cpu" else 16
+
+
 def set_routing_policies(settings: Settings, served: list[tuple[WorkerPool, tuple[str, ...], str]]) -> None:
     """`--routing-policy`: each pool's choice of worker, each upstream's
     choice of URL (prefix blocks: the KV block size in tokens locally, bytes
@@ -266,19 +304,19 @@ def set_routing_policies(settings: Settings, served: list[tuple[WorkerPool, tupl
     s = settings
     default, per_model = parse_policies(s.routing_policy)
     opts = PolicyOptions(
-        block_tokens=s.block_size or 16, block_bytes=s.routing_prefix_block_bytes,
+        block_tokens=engine_block_tokens(s), block_bytes=s.routing_prefix_block_bytes,
         max_blocks=s.routing_prefix_max_blocks, balance_abs=s.routing_balance_abs_threshold,
         balance_rel=s.routing_balance_rel_threshold,
     )
     for pool, names, _ in served:
-        name = next((per_model[n] for n in names if n in per_model), default)
+        name = next((per_model[n] for n in names or (pool.name,) if n in per_model), default)
         ups = upstreams_of([pool])
         for up in ups:
-            up.policy = make_policy(name, opts, unit="bytes")
+            up.policy = remote_kv_policy(up.cfg, opts) if name == "kv-events" else make_policy(name, opts, unit="bytes")
         if not ups:
-            pool.policy = make_policy(name, opts)
+            pool.policy = make_policy(name, opts, sources=local_sources(pool) if name == "kv-events" else None)
         if name != "least-outstanding":
-            logger.info("model %s: routing policy %s", names[0], name)
+            logger.info("model %s: routing policy %s", pool.name, name)
 
 
 def canary_policy(settings: Settings) -> CanaryPolicy:

@@ -1,12 +1,17 @@
-"""Engine deltas -> OpenAI response and chunk dicts."""
+"""Engine deltas -> OpenAI response and chunk dicts; `ChatDeltaView`, the
+base of the APIs that render chat deltas in their own event stream."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine_adapter.types import EngineOutput, TokenLogprob
+
+if TYPE_CHECKING:
+    from server.tools import ToolStreamer
 
 
 def _bytes(s: str) -> list[int]:
@@ -103,3 +108,44 @@ def finish(reason: str | None) -> str | None:
     if reason in ("abort", "error", "repetition"):
         return "stop"
     return reason
+
+
+class ChatDeltaView(ABC):
+    """Renders chat deltas in another API's event stream (Anthropic
+    Messages, Responses): an engine's text through the tool streamer
+    (`render`), or a node's chat chunk when the request was translated for
+    it (`feed`). A subclass writes a text delta (`_text`), a tool-call delta
+    (`_tool`) and the end of the answer (`_finish`)."""
+
+    streamer: ToolStreamer | None = None
+
+    def render(self, _: int, batch: list[EngineOutput]) -> bytes | None:
+        parts: list[bytes] = []
+        for out in batch:
+            deltas = [{"content": out.text}] if self.streamer is None else self.streamer.feed(out.text,
+                                                                                              final=out.finished)
+            for d in deltas:
+                parts.append(self.feed(d, None, None))
+            if out.finished:
+                parts.append(self.feed({}, out.finish_reason, out.stop_reason))
+        return b"".join(parts) or None
+
+    def feed(self, delta: dict[str, Any], finish_reason: str | None, stop_reason: str | int | None) -> bytes:
+        """One chat delta: its text, its tool calls, and the end if it has a finish reason."""
+        parts = []
+        if delta.get("content"):
+            parts.append(self._text(delta["content"]))
+        for tc in delta.get("tool_calls") or ():
+            parts.append(self._tool(tc))
+        if finish_reason is not None:
+            parts.append(self._finish(finish_reason, stop_reason))
+        return b"".join(parts)
+
+    @abstractmethod
+    def _text(self, text: str) -> bytes: ...
+
+    @abstractmethod
+    def _tool(self, tc: dict[str, Any]) -> bytes: ...
+
+    @abstractmethod
+    def _finish(self, finish_reason: str, stop_reason: str | int | None) -> bytes: ...

@@ -85,10 +85,18 @@ class Settings(BaseSettings):
     )
     extra_model: Entries = Field(
         default_factory=list,
-        description="more generator models, each with its own pool: NAME[,ALIAS...]=PATH (repeatable)",
+        description="more generator models, each with its own pool: NAME[,ALIAS...]=PATH[;devices=4,5] "
+        "(repeatable; devices: its engines' own devices, NPU/GPU)",
     )
     backend: Literal["vllm", "simulated"] = Field("vllm", description="engine backend (simulated: benchmarks/tests)")
     device: Literal["auto", "npu", "cuda", "cpu"] = Field("auto", description="device; auto detects")
+    devices: Entries = Field(
+        default_factory=list,
+        description="(NPU/GPU) the devices the engines may use, as npu-smi / nvidia-smi number them (0,1,...); "
+        "default: all listed. Each engine gets its own group of --tensor-parallel-size x "
+        "--pipeline-parallel-size of them (ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES); "
+        "`npu-gateway plan` shows where each engine goes",
+    )
     # --- vLLM engine args ---
     max_model_len: int | None = Field(None, ge=16, description="context length")
     dtype: str = Field("auto", description="weights dtype")
@@ -135,6 +143,12 @@ class Settings(BaseSettings):
     num_workers: int = Field(1, ge=1, description="engine instances per model")
     max_queue_size: int = Field(1024, ge=0, description="in-process queue bound per model")
     max_queue_wait: float = Field(60.0, gt=0, description="seconds a request may wait for an engine slot")
+    queue_policy: Literal["fair", "fifo"] = Field(
+        "fair",
+        description="order inside one priority: `fair` shares slots between API keys by weighted deficit round "
+        "robin on estimated cost (each key's `weight` in the keys file), `fifo` serves in arrival order. "
+        "A SIGHUP reload of --config may switch it; queued requests stay queued",
+    )
     request_timeout: float = Field(600.0, gt=0, description="seconds a whole request may take")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds to drain in-flight requests on SIGTERM")
     readiness_interval: float = Field(5.0, gt=0, description="seconds between readiness probes")
@@ -148,7 +162,8 @@ class Settings(BaseSettings):
         default_factory=lambda: ["least-outstanding"],
         description="which engine of a model (--num-workers, or the URLs of an --upstream) serves a request: "
         "least-outstanding, session (hash of X-Session-ID or user), or prefix (the engine that saw the longest "
-        "prefix of the prompt; a session key takes precedence); POLICY for every model or NAME=POLICY "
+        "prefix of the prompt; a session key takes precedence), or kv-events (as prefix, on the engines' own KV "
+        "cache events: docs/kv-events.md); POLICY for every model or NAME=POLICY "
         "(repeatable)",
     )
     routing_prefix_max_blocks: int = Field(
@@ -179,8 +194,27 @@ class Settings(BaseSettings):
     )
     responses_db: str | None = Field(
         None,
-        description="stored /v1/responses: a SQLite file, or an SQLAlchemy async URL "
-        "(sqlite+aiosqlite:///PATH); default DATA_DIR/responses.db; 'none' stores nothing",
+        description="stored /v1/responses: a SQLite file, postgresql://USER:PASSWORD@HOST:PORT/DB (shared by "
+        "replicas: each sees the others' responses) or an SQLAlchemy async URL; default DATA_DIR/responses.db; "
+        "'none' stores nothing",
+    )
+    # --- limits shared by replicas (server/state_store.py) ---
+    state_url: str | None = Field(
+        None,
+        description="Valkey/Redis that holds the keys' per-minute limits and concurrency leases for every "
+        "process and replica: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... (TLS) or unix:///PATH.sock; "
+        "unset: limits count in each process",
+    )
+    state_fail: Literal["open", "closed"] = Field(
+        "open",
+        description="while the --state-url store does not answer: open (count in this process, warn once a "
+        "minute) or closed (503 + Retry-After for keys with limits)",
+    )
+    state_timeout: float = Field(0.25, gt=0, le=10, description="seconds a call to the --state-url store may take")
+    state_lease_ttl: float = Field(
+        10.0, gt=0, le=60,
+        description="seconds a concurrency lease outlives its last renewal (a killed replica's leases lapse "
+        "within it)",
     )
     # --- the usage ledger and budgets (server/usage) ---
     usage_db: str | None = Field(
@@ -212,7 +246,9 @@ class Settings(BaseSettings):
     upstream: Entries = Field(
         default_factory=list,
         description="remote model NAME=URL[,URL...][;option=value...] (repeatable), passed through to its "
-        "nodes; options: model (the node's model id when it serves several), connect_timeout, read_timeout, "
+        "nodes; without NAME= (or with ;model=*): every model the nodes list, under its own id "
+        "(docs/upstream-discovery.md); options: model (the node's model id when it serves several; * for "
+        "every one), connect_timeout, read_timeout, "
         "health_interval, eject_after, cooldown, max_model_len, api_key_env, plain (direct: a non-streaming "
         "client's call goes as it came; stream: it is served from a streamed call joined back)",
     )
@@ -246,12 +282,31 @@ class Settings(BaseSettings):
         None, description="OTLP collector for traces (protocol: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL); off when unset"
     )
 
-    @field_validator("served_model_name", "embedding_served_model_name", "api_key", "trusted_proxies", mode="before")
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices(cls, v: Any) -> Any:
+        """`--devices 0,1 2` / NPUGW_DEVICES="0,1,2" / a YAML list -> ["0", "1", "2"]."""
+        items = [v] if isinstance(v, str | int) else v
+        if isinstance(items, list | tuple):
+            return [p for item in items for p in str(item).replace(",", " ").split()]
+        return v
+
+    @field_validator("served_model_name", "embedding_served_model_name", "api_key", "trusted_proxies",
+                     mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
         if isinstance(v, str):
             return [s for s in (p.strip() for p in v.split(",")) if s]
         return v
+
+    @field_validator("state_url")
+    @classmethod
+    def _state_url(cls, v: str | None) -> str | None:
+        from server.state_store import check_state_url
+
+        if v is None or not v.strip() or v.strip().lower() == "none":
+            return None
+        return check_state_url(v.strip())
 
     @field_validator("trusted_proxies")
     @classmethod
@@ -309,6 +364,10 @@ class Settings(BaseSettings):
 
     def extra_models(self) -> list[tuple[tuple[str, ...], str]]:
         return [_extra_model(item) for item in self.extra_model]
+
+    def extra_model_devices(self) -> list[tuple[str, ...] | None]:
+        """Each --extra-model's own devices (`;devices=4,5`), or None."""
+        return [_extra_model_devices(item) for item in self.extra_model]
 
     @field_validator("engine_args", mode="before")
     @classmethod
@@ -404,13 +463,27 @@ def parse_engine_args(v: Any) -> dict[str, Any]:
     return out
 
 
+_EXTRA_MODEL_SYNTAX = "NAME[,ALIAS...]=PATH[;devices=ID,ID...]"
+
+
 def _extra_model(item: str) -> tuple[tuple[str, ...], str]:
-    """`NAME[,ALIAS...]=PATH` -> (names, path)."""
-    e = parse_entry(item, "--extra-model", "NAME[,ALIAS...]=PATH", many=False)
+    """`NAME[,ALIAS...]=PATH[;devices=...]` -> (names, path)."""
+    e = parse_entry(item, "--extra-model", _EXTRA_MODEL_SYNTAX, options=("devices",), many=False)
     names = tuple(n.strip() for n in e.name.split(",") if n.strip())
     if not names or not e.items[0]:
-        raise ValueError(f"--extra-model {item!r}: expected NAME[,ALIAS...]=PATH")
+        raise ValueError(f"--extra-model {item!r}: expected {_EXTRA_MODEL_SYNTAX}")
+    _extra_model_devices(item)
     return names, e.items[0]
+
+
+def _extra_model_devices(item: str) -> tuple[str, ...] | None:
+    e = parse_entry(item, "--extra-model", _EXTRA_MODEL_SYNTAX, options=("devices",), many=False)
+    if "devices" not in e.options:
+        return None
+    ids = tuple(p.strip() for p in e.options["devices"].split(",") if p.strip())
+    if not ids:
+        raise ValueError(f"--extra-model {item!r}: devices= names no device")
+    return ids
 
 
 def _config_path(init: PydanticBaseSettingsSource) -> Path | None:

@@ -41,8 +41,8 @@ class Gateway:
         self.settings = settings
         self.pools = [p for p, _, _ in pools]
         self.models: dict[str, ServedModel] = {}
-        for pool, names, root in pools:
-            primary = names[0]
+        for pool, names, root in pools:  # names: none for a pool whose models are discovered (server/discovery.py)
+            primary = names[0] if names else ""
             for i, name in enumerate(names):
                 self.models[name] = ServedModel(
                     id=name, pool=pool, root=root, parent=None if i == 0 else primary

@@ -35,10 +35,16 @@ logger = logging.getLogger(__name__)
 
 def database_url(value: str | None, data_dir: Path, default_file: str) -> str | None:
     """A setting -> an SQLAlchemy async URL: None -> DATA_DIR/`default_file`,
-    a path -> that SQLite file, a URL -> itself, 'none' -> None (no store)."""
+    a path -> that SQLite file, `postgresql://...` / `sqlite:///...` -> the
+    same with its async driver (asyncpg, aiosqlite), another URL -> itself,
+    'none' -> None (no store)."""
     if value is not None and value.strip().lower() in ("none", ""):
         return None
     if value is not None and "://" in value:
+        for plain, driver in (("sqlite://", "sqlite+aiosqlite://"), ("postgresql://", "postgresql+asyncpg://"),
+                              ("postgres://", "postgresql+asyncpg://")):
+            if value.startswith(plain):
+                return driver + value[len(plain):]  # the async driver of a plain URL
         return value
     path = Path(value).expanduser() if value else data_dir.expanduser() / default_file
     return f"sqlite+aiosqlite:///{path}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import signal
@@ -9,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -69,17 +70,18 @@ class GatewayProcess:
         )
 
     def wait_ready(self, timeout: float, path: str = "/ready") -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.report()}")
             try:
-                if httpx.get(self.url + path, timeout=2).status_code == 200:
-                    return
+                return httpx.get(self.url + path, timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"gateway not ready after {timeout}s:\n{self.report()}")
+                return False
+
+        try:
+            wait_until_sync(ready, timeout, f"200 from {path}", interval=0.3)
+        except AssertionError:
+            raise TimeoutError(f"gateway not ready after {timeout}s:\n{self.report()}") from None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -132,21 +134,39 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     return total
 
 
-async def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll `cond` until it holds; fail after `timeout` seconds (a deadline
-    for a hung test, not a timing assertion)."""
+def _said(what: str | Callable[[], str]) -> str:
+    return what() if callable(what) else what
+
+
+async def wait_until(
+    cond: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str | Callable[[], str] = "condition",
+    interval: float = 0.005,
+) -> None:
+    """Poll `cond` (a function, or a coroutine function such as an HTTP
+    probe) every `interval` seconds until it holds; fail after `timeout`
+    seconds (a deadline for a hung test, not a timing assertion). `what`
+    names the condition in the failure (a function: called then, to show
+    the last state seen)."""
     import asyncio
 
     deadline = time.monotonic() + timeout
-    while not cond():
+    while True:
+        got = cond()
+        if inspect.isawaitable(got):
+            got = await got
+        if got:
+            return
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        await asyncio.sleep(0.005)
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {_said(what)}")
+        await asyncio.sleep(interval)
 
 
-def wait_until_sync(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+def wait_until_sync(
+    cond: Callable[[], bool], timeout: float = 30.0, what: str | Callable[[], str] = "condition",
+    interval: float = 0.02,
+) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.02)
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {_said(what)}")
+        time.sleep(interval)

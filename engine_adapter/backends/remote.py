@@ -101,6 +101,8 @@ class RemoteEngine:
     async def health(self) -> None:
         now = time.monotonic()
         if not any(ep.usable(now, self.upstream.cfg.cooldown) for ep in self.upstream.endpoints):
+            # short: the readiness probe logs it at each interval; the reason itself
+            # is logged once by the health checks, and a refusal carries it
             raise ServiceUnavailable(f"upstream {self.upstream.cfg.name!r}: every URL is ejected", retry_after=1)
 
     def stats(self) -> EngineStats:
@@ -132,13 +134,13 @@ class RemoteEngine:
         key = up.policy.key_for_body(call.body, session, call.node_model) if len(up.endpoints) > 1 else None
         while True:
             try:
-                ep = up.pick(exclude=tried, key=key)
+                ep = up.pick(exclude=tried, key=key, model=call.node_model)
             except ServiceUnavailable:
                 if last is not None:
                     raise last from None
                 raise
             tried.append(ep)
-            node_model = call.node_model or up.model_for(ep)  # a LoRA adapter: its name on the node
+            node_model = call.node_model or up.model_for(ep, call.path)  # an adapter's or discovered model's id
             body = dict(call.body)
             body["model"] = node_model
             joined = generation and not call.stream and up.cfg.plain == "stream"

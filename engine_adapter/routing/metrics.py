@@ -58,6 +58,9 @@ class UpstreamCollector(Collector):
             "npugw_upstream_outstanding_requests", "Requests in flight per upstream URL.", labels=labels
         )
         ejections = CounterMetricFamily("npugw_upstream_ejections", "Times an upstream URL was ejected.", labels=labels)
+        listed = GaugeMetricFamily(
+            "npugw_upstream_listed_models", "Models an upstream URL listed at its last good check.", labels=labels
+        )
         now = time.monotonic()
         for u in upstreams_of(self._pools()):
             for ep in u.endpoints:
@@ -68,4 +71,5 @@ class UpstreamCollector(Collector):
                     state.add_metric([*key, s], 1.0 if s == current else 0.0)
                 inflight.add_metric(key, ep.outstanding)
                 ejections.add_metric(key, ep.ejections)
-        yield from (up, state, inflight, ejections)
+                listed.add_metric(key, len(ep.models) if u.cfg.discovers else int(ep.model_id is not None))
+        yield from (up, state, inflight, ejections, listed)

@@ -26,9 +26,12 @@ strategy, chosen per model by `--routing-policy`:
   generation; a prefill elsewhere, a fraction of one. A session
   key, when given, takes precedence (session routing). A dead, restarted or
   ejected engine `forget`s its entries.
+- `kv-events`: as `prefix`, but on what each engine really holds, from
+  vLLM's KV events (routing/kv_events.py); the `prefix` guess for an engine
+  whose events are not usable.
 
 Every decision is counted by reason (`least_outstanding`, `session`,
-`prefix_hit`, `load_fallback`, `no_match`), with the matched prefix length
+`kv_hit`, `prefix_hit`, `load_fallback`, `no_match`), with the matched prefix length
 (tokens or bytes), for `PolicyCollector`.
 """
 
@@ -45,8 +48,8 @@ import orjson
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-POLICIES = ("least-outstanding", "session", "prefix")
-REASONS = ("least_outstanding", "session", "prefix_hit", "load_fallback", "no_match")
+POLICIES = ("least-outstanding", "session", "prefix", "kv-events")
+REASONS = ("least_outstanding", "session", "kv_hit", "prefix_hit", "load_fallback", "no_match")
 # matched prefix length, in tokens (local engines) or bytes (upstream nodes)
 MATCH_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _MASK64 = (1 << 64) - 1
@@ -112,6 +115,12 @@ class RoutingPolicy:
 
     def forget(self, engine: int) -> None:
         """`engine` died, restarted or was ejected: what it cached is gone."""
+
+    def observe(self, engine: int, token_ids: Sequence[int], cached_tokens: int) -> None:
+        """`engine` reported `cached_tokens` of a routed prompt from its prefix cache."""
+
+    async def close(self) -> None:
+        """Stop what the policy runs in the background."""
 
 
 def least(loads: Sequence[int]) -> int:
@@ -320,7 +329,10 @@ class PolicyOptions:
     min_block_tokens: int = 64
 
 
-def make_policy(name: str, opts: PolicyOptions | None = None, unit: str = "tokens") -> RoutingPolicy:
+def make_policy(
+    name: str, opts: PolicyOptions | None = None, unit: str = "tokens", sources: Mapping[int, Any] | None = None
+) -> RoutingPolicy:
+    """`sources`: kv-events only, each engine's KvSource (routing/kv_events.py)."""
     o = opts or PolicyOptions()
     if name == "least-outstanding":
         return RoutingPolicy()
@@ -329,6 +341,13 @@ def make_policy(name: str, opts: PolicyOptions | None = None, unit: str = "token
     if name == "prefix":
         return PrefixPolicy(
             block_tokens=o.block_tokens, block_bytes=o.block_bytes, max_blocks=o.max_blocks,
+            balance_abs=o.balance_abs, balance_rel=o.balance_rel, unit=unit, min_block_tokens=o.min_block_tokens,
+        )
+    if name == "kv-events":
+        from engine_adapter.routing.kv_events import KvEventsPolicy
+
+        return KvEventsPolicy(
+            sources, block_tokens=o.block_tokens, block_bytes=o.block_bytes, max_blocks=o.max_blocks,
             balance_abs=o.balance_abs, balance_rel=o.balance_rel, unit=unit, min_block_tokens=o.min_block_tokens,
         )
     raise ValueError(f"routing policy {name!r}: expected one of {', '.join(POLICIES)}")
@@ -364,7 +383,7 @@ class PolicyCollector(Collector):
         decisions = CounterMetricFamily(
             "npugw_route_policy_decisions",
             "Engine choices of each model's routing policy, by reason (least_outstanding, session, "
-            "prefix_hit, load_fallback, no_match).",
+            "kv_hit, prefix_hit, load_fallback, no_match).",
             labels=["model", "policy", "reason"],
         )
         matched = HistogramMetricFamily(
@@ -373,7 +392,10 @@ class PolicyCollector(Collector):
             "request's JSON for upstream nodes).",
             labels=["model", "unit"],
         )
+        kv = []
         for model, p in self._policies():
+            if p.name == "kv-events":
+                kv.append((model, p))
             s = p.stats
             for reason in REASONS:
                 if s.decisions[reason]:
@@ -387,6 +409,10 @@ class PolicyCollector(Collector):
                 matched.add_metric([model, p.unit], buckets, s.match_sum)
         yield decisions
         yield matched
+        if kv:
+            from engine_adapter.routing.kv_metrics import kv_families
+
+            yield from kv_families(kv)  # type: ignore[arg-type]
 
 
 def policies_of(pools: Iterable[Any]) -> Iterator[tuple[str, RoutingPolicy]]:

@@ -20,10 +20,17 @@ requests, each guarded by a circuit breaker (passive) and health checks
   policy does not follow a prompt's prefix onto a full URL while another
   has room.
 - Model ids: the check learns the node's own model id from `/v1/models`
-  (the one model it serves, else the served name if the node lists it, else
-  `;model=ID` must pick one) and its
-  `max_model_len`. A node that does not serve the expected model is named
-  in the log and in `/admin/routes`, with what it does serve.
+  (engine_adapter/routing/node_models.py: the one model it serves, else the
+  served name if the node lists it, else its generative model where its
+  cards say which is which, with /v1/embeddings sent to its embedding
+  model, else `;model=ID` must pick one) and its `max_model_len`. A node
+  that does not serve the expected model is named in the log, in
+  `/admin/routes` and in the refusal, with what it does serve.
+- Discovery (`--upstream URL[,URL...]` without a name, or `;model=*`): every
+  model the nodes list is served under its own id; each check refreshes
+  what a URL lists, a model that appears or disappears is logged and the
+  `listeners` are called (server/discovery.py serves or drops the name).
+  A request for a model goes only to the URLs that list it.
 
 - Client APIs: the first good check also reads the node's `/openapi.json`
   once, to learn which of the other client APIs it serves (Responses,
@@ -44,8 +51,9 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -53,20 +61,24 @@ import orjson
 from engine_adapter.backends.api_relay import apis_from_openapi, parse_apis
 from engine_adapter.entry import parse_entry
 from engine_adapter.errors import GatewayError, ServiceUnavailable
+from engine_adapter.routing.endpoint import Endpoint, eject, rearm
+from engine_adapter.routing.node_models import LISTING_REASONS, Card, NotListed, choose, kind, read_listing
 from engine_adapter.routing.policy import RouteKey, RoutingPolicy
 from engine_adapter.tasks import cancel_and_wait
+
+__all__ = ["TIMEOUTS", "Endpoint", "Upstream", "UpstreamConfig", "parse_upstream", "upstreams_of"]
 
 logger = logging.getLogger(__name__)
 
 TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
-BreakerState = Literal["closed", "open", "half_open"]
+EVERY_MODEL = "*"  # `;model=*`: serve every model the nodes list, under its own id
 
 
 @dataclass(frozen=True, slots=True)
 class UpstreamConfig:
     name: str  # the served name here
     urls: tuple[str, ...]
-    model: str | None = None  # the node's model id; default: learned from its /v1/models
+    model: str | None = None  # the node's model id; default: learned from its /v1/models; "*": every one
     connect_timeout: float = 2.0
     read_timeout: float = 30.0  # longest silence: to the headers, between chunks
     health_interval: float = 5.0
@@ -77,19 +89,35 @@ class UpstreamConfig:
     api: str | None = None  # the client APIs the node serves (api_relay.API_NAMES); default: its /openapi.json
     plain: Literal["direct", "stream"] = "direct"  # how a non-streaming client's generation is called
     slots: int | None = None  # requests one URL runs at once (a routing hint); default: its /v1/models "slots"
+    # --routing-policy kv-events: each URL's KV event publisher, in URL order, `PUB[|REPLAY]` comma-separated
+    # (routing/kv_events.py remote_sources), and a local folder of the nodes' tokenizer to hash prompts with
+    kv_events: str | None = None
+    kv_tokenizer: str | None = None
 
+    @property
+    def discovers(self) -> bool:
+        """Every model the nodes list is served, under its own id."""
+        return self.model == EVERY_MODEL
 
 
 _NUMBERS: dict[str, Callable[[str], float | int]] = {
     "connect_timeout": float, "read_timeout": float, "health_interval": float,
     "cooldown": float, "eject_after": int, "max_model_len": int, "slots": int,
 }
-_TEXTS = ("model", "api_key_env", "api", "plain")
+_TEXTS = ("model", "api_key_env", "api", "plain", "kv_events", "kv_tokenizer")
 
 
 def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:
-    """`NAME=URL[,URL...][;option=value...]`; options name UpstreamConfig fields."""
-    e = parse_entry(spec, "upstream", "NAME=URL[,URL...][;option=value...]", options=(*_NUMBERS, *_TEXTS))
+    """`NAME=URL[,URL...][;option=value...]`; options name UpstreamConfig
+    fields. Without `NAME=` (`URL[,URL...][;option=value...]`): every model
+    the nodes list (`;model=*`), the upstream named after its first URL."""
+    given, unnamed = spec, spec.lstrip().startswith(("http://", "https://"))
+    if unnamed:
+        head, _, opts = spec.partition(";")
+        spec = f"{_label(head)}={head};model=*;{opts}"
+    e = parse_entry(spec, "upstream", "[NAME=]URL[,URL...][;option=value...]", options=(*_NUMBERS, *_TEXTS))
+    if unnamed and e.options["model"] != EVERY_MODEL:
+        raise ValueError(f"upstream {given!r}: ;model=ID needs a name: NAME=URL;model=ID")
     name = e.name
     found = [u.rstrip("/") for u in e.items]
     for u in found:
@@ -108,42 +136,17 @@ def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:
         raise ValueError(f"upstream {name!r}: slots must be >= 1")
     if cfg.api is not None:
         parse_apis(cfg.api, name)
+    if cfg.kv_events is not None and len(cfg.kv_events.split(",")) != len(cfg.urls):
+        raise ValueError(f"upstream {name!r}: kv-events needs one publisher per URL ({len(cfg.urls)})")
     if cfg.plain not in ("direct", "stream"):
         raise ValueError(f"upstream {name!r}: plain={cfg.plain!r} is not one of direct, stream")
     return cfg
 
 
-@dataclass(slots=True)
-class Endpoint:
-    url: str
-    outstanding: int = 0
-    state: BreakerState = "closed"
-    failures: int = 0  # request failures in a row
-    opened_at: float = 0.0
-    trial: bool = False  # a half-open trial request is in flight
-    healthy: bool = True  # the active health checks' verdict
-    model_id: str | None = None  # the node's model id, from its /v1/models
-    serves: tuple[str, ...] = ()  # every model id the node listed
-    adapters: dict[str, str] = field(default_factory=dict)  # its LoRA adapters (parent: its model): id -> root
-    apis: frozenset[str] | None = None  # the client APIs its /openapi.json shows (None: not read yet)
-    ejected: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    check_failures: int = 0
-    ejections: int = 0
-    last_error: str | None = None
-    last_seen: float = field(default_factory=time.monotonic)  # the last byte from it
-    waiting: int = 0  # non-streamed calls waiting for their answer
-    watch_from: float = 0.0  # when the waiting began (silence counts from it or the last byte)
-    pinging: bool = False
-    slots: int = 0  # the requests it runs at once, from its /v1/models card (0: it does not say)
-
-    def state_at(self, now: float, cooldown: float) -> BreakerState:
-        if self.state == "open" and now - self.opened_at >= cooldown:
-            return "half_open"
-        return self.state
-
-    def usable(self, now: float, cooldown: float) -> bool:
-        state = self.state_at(now, cooldown)
-        return self.healthy and (state == "closed" or (state == "half_open" and not self.trial))
+def _label(urls: str) -> str:
+    """The name of an upstream given without one: its first URL's host:port."""
+    first = urls.split(",")[0].strip()
+    return urlsplit(first).netloc or first
 
 
 class _CheckFailed(Exception):
@@ -163,6 +166,7 @@ class Upstream:
         self._watch: asyncio.Task[None] | None = None
         self._pings: set[asyncio.Future[None]] = set()
         self._next = 0
+        self.listeners: list[Callable[[], None]] = []  # discovery: called when what a URL lists changed
         # which usable URL (routing/policy.py); ids are positions in `endpoints`
         self.policy: RoutingPolicy = RoutingPolicy()
         # non-streamed calls: no read timeout (the silence watch bounds them)
@@ -196,6 +200,7 @@ class Upstream:
         await cancel_and_wait(tasks)  # health loops use wait_for: cancel until done
         session, self._session = self._session, None
         await session.close()
+        await self.policy.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -203,10 +208,13 @@ class Upstream:
             raise ServiceUnavailable(f"upstream {self.cfg.name!r} is not started", retry_after=1)
         return self._session
 
-    def pick(self, exclude: Collection[Endpoint] = (), key: RouteKey | None = None) -> Endpoint:
-        """A usable URL: with no key (least outstanding), the one with the
-        fewest requests in flight (round robin on ties); else as the policy
-        chooses among the usable ones."""
+    def pick(
+        self, exclude: Collection[Endpoint] = (), key: RouteKey | None = None, model: str | None = None
+    ) -> Endpoint:
+        """A usable URL (one that lists `model`, if given): with no key
+        (least outstanding), the one with the fewest requests in flight
+        (round robin on ties); else as the policy chooses among the usable
+        ones. None: a refusal that names each URL's last error."""
         now, n, cd = time.monotonic(), len(self.endpoints), self.cfg.cooldown
         if not n:
             raise ServiceUnavailable(f"upstream {self.cfg.name!r} is not started", retry_after=1)
@@ -215,30 +223,70 @@ class Upstream:
         if key is None:
             for k in range(n):
                 ep = self.endpoints[(self._next + k) % n]
-                if ep not in exclude and ep.usable(now, cd) and (best is None or ep.outstanding < best.outstanding):
+                if (ep not in exclude and ep.usable(now, cd) and self.lists(ep, model)
+                        and (best is None or ep.outstanding < best.outstanding)):
                     best = ep
             if best is not None and n > 1:
                 self.policy.stats.decisions["least_outstanding"] += 1
         else:
-            ids = [i for i, ep in enumerate(self.endpoints) if ep not in exclude and ep.usable(now, cd)]
+            ids = [i for i, ep in enumerate(self.endpoints)
+                   if ep not in exclude and ep.usable(now, cd) and self.lists(ep, model)]
             if ids:
                 loads = [self.endpoints[i].outstanding for i in ids]
                 slots = [self.cfg.slots or self.endpoints[i].slots for i in ids]
                 best = self.endpoints[ids[self.policy.choose(ids, loads, key, slots)]]
         if best is None:
-            raise ServiceUnavailable(
-                f"upstream {self.cfg.name!r}: every URL is ejected (failing requests or health checks)",
-                code="upstream_ejected", retry_after=cd,
-            )
+            raise self.refusal(model)
         if best.state_at(now, cd) == "half_open":
             best.state, best.trial = "half_open", True
-            _rearm(best)  # the breaker's ejection must not fail its trial at once
+            rearm(best)  # the breaker's ejection must not fail its trial at once
         return best
 
-    def model_for(self, ep: Endpoint) -> str:
+    def lists(self, ep: Endpoint, model: str | None) -> bool:
+        """Whether `ep` serves `model` (a model or adapter id sent as is;
+        None: the upstream's own). Before its first good check a URL of a
+        named upstream is not ruled out; a discovering one's is."""
+        if model is None:
+            return True
+        if self.cfg.discovers:
+            return model in ep.models or model in ep.adapters
+        return not ep.serves or model in ep.serves
+
+    def refusal(self, model: str | None = None) -> ServiceUnavailable:
+        """No URL takes the request now: why, in the client's message (each
+        URL's last error), to be fixed without reading the gateway's log."""
+        name = self.cfg.name
+        if model is not None and not any(self.lists(ep, model) for ep in self.endpoints):
+            return ServiceUnavailable(f"upstream {name!r}: no URL lists model {model!r} now",
+                                      code="upstream_model_unlisted", retry_after=self.cfg.health_interval)
+        causes = "; ".join(f"{ep.url}: {ep.last_error or 'breaker open'}" for ep in self.endpoints[:4]
+                           if self.lists(ep, model))
+        more = f" (and {len(self.endpoints) - 4} more)" if len(self.endpoints) > 4 else ""
+        return ServiceUnavailable(f"upstream {name!r}: every URL is ejected: {causes}{more}",
+                                  code="upstream_ejected", retry_after=self.cfg.cooldown)
+
+    def model_for(self, ep: Endpoint, path: str = "") -> str:
         """The model id to send to `ep`: `;model=ID`, else what its
-        /v1/models said, else the served name."""
+        /v1/models said (its embedding model for /v1/embeddings, where the
+        node named it apart), else the served name."""
+        if path == "/v1/embeddings" and ep.embed_id and not self.cfg.model:
+            return ep.embed_id
         return self.cfg.model or ep.model_id or self.cfg.name
+
+    def listed(self) -> dict[str, Card]:
+        """Discovery: every model some URL listed at its last good check
+        (down URLs included: a node that is down is a 503, not a 404)."""
+        out: dict[str, Card] = {}
+        for ep in self.endpoints:
+            for mid, card in ep.models.items():
+                out.setdefault(mid, card)
+        return out
+
+    def card_of(self, model: str) -> tuple[int, str]:
+        """(max_model_len, kind) of a discovered model, as its nodes say."""
+        cards = [ep.models[model] for ep in self.endpoints if model in ep.models]
+        lens = [c["max_model_len"] for c in cards if isinstance(c.get("max_model_len"), int)]
+        return (min(lens) if lens else self.cfg.max_model_len or 4096), kind(cards[0]) if cards else "generate"
 
     @property
     def apis(self) -> frozenset[str]:
@@ -253,7 +301,8 @@ class Upstream:
         now = time.monotonic()
         return [
             {
-                "url": ep.url, "model": self.model_for(ep), "serves": list(ep.serves), "healthy": ep.healthy,
+                "url": ep.url, "model": None if self.cfg.discovers else self.model_for(ep),
+                "embedding_model": ep.embed_id, "serves": list(ep.serves), "healthy": ep.healthy,
                 "breaker": ep.state_at(now, self.cfg.cooldown), "outstanding": ep.outstanding,
                 "last_error": ep.last_error,
                 "apis": sorted(parse_apis(self.cfg.api, self.cfg.name) if self.cfg.api is not None else ep.apis or ()),
@@ -274,7 +323,7 @@ class Upstream:
             ep.state, ep.opened_at = "open", time.monotonic()
             ep.ejections += 1
             self._forget(ep)
-            _eject(ep)
+            eject(ep)
             logger.warning(
                 "upstream %s %s: breaker open for %.0fs after %d failures (%s)",
                 self.cfg.name, ep.url, self.cfg.cooldown, ep.failures, why,
@@ -303,7 +352,7 @@ class Upstream:
                     ep.last_error = why
                     ep.ejections += 1
                     self._forget(ep)
-                    _eject(ep, "upstream_timeout")
+                    eject(ep, "upstream_timeout")
                     logger.warning("upstream %s %s: ejected: %s", self.cfg.name, ep.url, why)
                 elif quiet > limit / 2 and not ep.pinging:
                     ep.pinging = True
@@ -332,19 +381,26 @@ class Upstream:
             async with self.session.get(ep.url + "/v1/models", timeout=timeout) as r:
                 if r.status != 200:
                     raise _CheckFailed(f"/v1/models answered {r.status}")
-                data = orjson.loads(await r.read())
-            cards = [m for m in data.get("data", ()) if isinstance(m, dict) and m.get("id")]
-            ep.serves = tuple(str(m["id"]) for m in cards)
-            card = self._pick_model(cards)
-            ep.model_id = str(card["id"])
-            ep.adapters = {str(m["id"]): str(m.get("root") or m["id"]) for m in cards if m.get("parent") == card["id"]}
+                listing = read_listing(orjson.loads(await r.read()))
+            ep.serves = listing.ids
+            if c.discovers:
+                self._relisted(ep, listing.models)
+                if not listing.models:
+                    raise NotListed("/v1/models lists no model")
+                card = next(iter(listing.models.values()))
+                ep.adapters = {a: root for a, (_, root) in listing.adapters.items()}
+            else:
+                chosen = choose(listing, c.name, c.model)
+                card, ep.embed_id = chosen.card, chosen.embed_id
+                ep.model_id = str(card["id"])
+                ep.adapters = {a: root for a, (parent, root) in listing.adapters.items() if parent == card["id"]}
             slots = card.get("slots")  # npu-gateway nodes say it; vLLM's own server does not
             ep.slots = slots if isinstance(slots, int) and slots > 0 else 0
-            if self.cfg.max_model_len is None and isinstance(card.get("max_model_len"), int):
+            if c.max_model_len is None and isinstance(card.get("max_model_len"), int) and not c.discovers:
                 self.max_model_len = card["max_model_len"]
             if ep.apis is None and self.cfg.api is None:
                 await self._read_apis(ep, timeout)
-        except (aiohttp.ClientError, *TIMEOUTS, ValueError, AttributeError, _CheckFailed, GatewayError) as e:
+        except (aiohttp.ClientError, *TIMEOUTS, ValueError, TypeError, AttributeError, _CheckFailed, GatewayError) as e:
             why = str(e) or type(e).__name__
             ep.check_failures += 1
             ep.last_error = why
@@ -354,18 +410,19 @@ class Upstream:
                 ep.healthy = False
                 ep.ejections += 1
                 self._forget(ep)
-                _eject(ep)
+                eject(ep)
                 logger.warning("upstream %s %s: ejected by health checks: %s", self.cfg.name, ep.url, why)
             return
         ep.last_seen = time.monotonic()
-        if first:
-            logger.info("upstream %s %s: serves model %r", self.cfg.name, ep.url, ep.model_id)
+        if first and not c.discovers:
+            also = f" (embeddings: {ep.embed_id!r})" if ep.embed_id else ""
+            logger.info("upstream %s %s: serves model %r%s", self.cfg.name, ep.url, ep.model_id, also)
         ep.check_failures = 0
-        if ep.last_error is not None and ep.last_error.startswith(("does not serve", "serves several")):
+        if ep.last_error is not None and ep.last_error.startswith(LISTING_REASONS):
             ep.last_error = None
         if not ep.healthy:
             ep.healthy = True
-            _rearm(ep)
+            rearm(ep)
             logger.info("upstream %s %s: health checks pass again", self.cfg.name, ep.url)
 
     async def _read_apis(self, ep: Endpoint, timeout: aiohttp.ClientTimeout) -> None:
@@ -384,41 +441,28 @@ class Upstream:
         if ep.apis is not None:
             logger.info("upstream %s %s: client APIs: %s", self.cfg.name, ep.url, ", ".join(sorted(ep.apis)) or "none")
 
+    def _relisted(self, ep: Endpoint, models: dict[str, Card]) -> None:
+        """Discovery: what `ep` lists now; each model that appeared or
+        disappeared is logged, and the listeners hear of it."""
+        gone = [m for m in ep.models if m not in models]
+        new = [m for m in models if m not in ep.models]
+        ep.models = dict(models)
+        for m in new:
+            logger.info("upstream %s %s: lists model %r: routable", self.cfg.name, ep.url, m)
+        for m in gone:
+            logger.warning("upstream %s %s: no longer lists model %r: it takes no traffic for it",
+                           self.cfg.name, ep.url, m)
+        if new or gone:
+            for listener in list(self.listeners):
+                try:
+                    listener()
+                except Exception:  # a listener must not stop the health checks
+                    logger.exception("upstream %s: a listener of its models failed", self.cfg.name)
+
     def _forget(self, ep: Endpoint) -> None:
         """An ejected URL loses its routing entries: it may come back restarted."""
         if ep in self.endpoints:
             self.policy.forget(self.endpoints.index(ep))
-
-    def _pick_model(self, cards: list[dict[str, Any]]) -> dict[str, Any]:
-        ids = [str(m["id"]) for m in cards]
-        if self.cfg.model is None:  # a LoRA adapter (a card whose parent is listed too) is not a choice
-            cards = [m for m in cards if m.get("parent") not in ids] or cards
-        if self.cfg.model is not None:
-            for m in cards:
-                if m["id"] == self.cfg.model:
-                    return m
-            raise _CheckFailed(f"does not serve {self.cfg.model!r} (it serves {', '.join(ids) or 'nothing'})")
-        if len(cards) == 1:
-            return cards[0]
-        for m in cards:  # NAME=URL where NAME is one of the node's ids
-            if m["id"] == self.cfg.name:
-                return m
-        if not cards:
-            raise _CheckFailed("does not serve any model (/v1/models is empty)")
-        raise _CheckFailed(f"serves several models ({', '.join(ids)}): pick one with ;model=ID")
-
-
-def _eject(ep: Endpoint, code: str = "upstream_ejected") -> None:
-    """Fail the requests waiting on `ep` for their first byte."""
-    if not ep.ejected.done():
-        ep.ejected.set_result(code)
-
-
-def _rearm(ep: Endpoint) -> None:
-    """`ep` takes requests again (health checks pass, or its breaker lets a
-    trial through): a new ejection will fail the ones waiting on it then."""
-    if ep.ejected.done():
-        ep.ejected = asyncio.get_running_loop().create_future()
 
 
 def upstreams_of(pools: Iterable[Any]) -> list[Upstream]:

@@ -16,7 +16,8 @@ from engine_adapter.types import EmbeddingRequest as EngineEmbeddingRequest
 from engine_adapter.types import Tokenizer
 from server.ask import RouteAsk
 from server.deps import AuthDep, GatewayDep
-from server.generation import SERVED_BY, admit, forwarded, session_of, until_disconnect
+from server.disconnect import until_disconnect
+from server.generation import SERVED_BY, admit, forwarded, session_of
 from server.protocol import EmbeddingRequest
 from server.relay import relay_response
 from server.routes.docs import ERRORS

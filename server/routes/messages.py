@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from engine_adapter.errors import EngineError, GatewayError, InvalidRequest
-from engine_adapter.types import EngineOutput, GenerationRequest
+from engine_adapter.types import GenerationRequest
 from server.auth import Principal
 from server.chat_bridge import as_chat, prepare
 from server.deps import AuthDep, GatewayDep
@@ -29,7 +29,7 @@ from server.errors import anthropic_error_event
 from server.generation import Generation, Key, admit, forwarded, json_response, session_of, stream_response
 from server.protocol_anthropic import CountTokensRequest, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
 from server.relay_apis import ApiAsk, relayed_response
-from server.render import Choice
+from server.render import ChatDeltaView, Choice
 from server.routes.docs import JSON_OR_SSE
 from server.state import Gateway
 from server.tools import ToolPlan, ToolStreamer, plan_tools
@@ -225,7 +225,7 @@ def _stop(finish_reason: str | None, stop_reason: str | int | None) -> tuple[str
     return "end_turn", None
 
 
-class _Messages:
+class _Messages(ChatDeltaView):
     """Engine deltas -> a message, or Anthropic's event stream."""
 
     def __init__(self, gen: Generation, plan: ToolPlan, rid: str, late_usage: bool = False) -> None:
@@ -279,33 +279,13 @@ class _Messages:
         usage = {**self.usage(), "output_tokens": 0}
         return self._event("message_start", message=self.message([], None, None, usage)) + PING
 
-    def render(self, _: int, batch: list[EngineOutput]) -> bytes | None:
-        parts: list[bytes] = []
-        for out in batch:
-            deltas = [{"content": out.text}] if self.streamer is None else self.streamer.feed(out.text,
-                                                                                              final=out.finished)
-            for d in deltas:
-                parts.append(self.feed(d, None, None))
-            if out.finished:
-                parts.append(self.feed({}, out.finish_reason, out.stop_reason))
-        return b"".join(parts) or None
-
-    def feed(self, delta: dict[str, Any], finish_reason: str | None, stop_reason: str | int | None) -> bytes:
-        """One chat delta (an engine's, through the tool streamer, or a
-        node's chunk when the request was translated for it)."""
-        parts = []
-        if delta.get("content"):
-            parts.append(self._text(delta["content"]))
-        for tc in delta.get("tool_calls") or ():
-            parts.append(self._tool(tc))
-        if finish_reason is not None:
-            self.stop_reason, self.stop_sequence = _stop(finish_reason, stop_reason)
-            if self.called or finish_reason == "tool_calls":
-                self.stop_reason, self.stop_sequence = "tool_use", None
-            if self.blocks == 0:  # nothing was said: one empty text block, as the non-streamed answer
-                parts.append(self._start({"type": "text", "text": ""}))
-            parts.append(self._stop_block())
-        return b"".join(parts)
+    def _finish(self, finish_reason: str, stop_reason: str | int | None) -> bytes:
+        self.stop_reason, self.stop_sequence = _stop(finish_reason, stop_reason)
+        if self.called or finish_reason == "tool_calls":
+            self.stop_reason, self.stop_sequence = "tool_use", None
+        # nothing was said: one empty text block, as the non-streamed answer has
+        empty = self._start({"type": "text", "text": ""}) if self.blocks == 0 else b""
+        return empty + self._stop_block()
 
     def whole(self) -> dict[str, Any]:
         """The message, once every delta was fed (a client that does not

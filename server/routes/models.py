@@ -21,6 +21,7 @@ def _card(name: str, m: ServedModel) -> dict[str, Any]:
     card: dict[str, Any] = {
         "id": name, "object": "model", "created": m.created, "owned_by": "npu-gateway",
         "root": m.root, "parent": m.parent, "max_model_len": m.pool.card.max_model_len,
+        "kind": m.pool.card.kind,  # generate | embed: a gateway in front tells them apart (docs/upstream-discovery.md)
     }
     slots = sum(w.slots for w in getattr(m.pool, "workers", ()))
     if slots:  # requests it runs at once (workers x --max-num-seqs); more wait in its queue

@@ -10,11 +10,10 @@ from typing import Any
 import orjson
 
 from engine_adapter.errors import GatewayError
-from engine_adapter.types import EngineOutput
 from server.errors import kind_of
 from server.generation import Generation, Key
 from server.protocol_responses import ResponsesRequest
-from server.render import Choice
+from server.render import ChatDeltaView, Choice
 from server.store import ResponseStore, StoredResponse
 from server.tools import ToolPlan, ToolStreamer
 
@@ -23,7 +22,7 @@ def _hex() -> str:
     return uuid.uuid4().hex
 
 
-class ResponsesView:
+class ResponsesView(ChatDeltaView):
     """Engine deltas -> a response object, or its event stream; the finished
     response is stored when `store` is set."""
 
@@ -112,29 +111,9 @@ class ResponsesView:
         snap = self.response("in_progress", [])
         return self._event("response.created", response=snap) + self._event("response.in_progress", response=snap)
 
-    def render(self, _: int, batch: list[EngineOutput]) -> bytes | None:
-        parts: list[bytes] = []
-        for out in batch:
-            deltas = [{"content": out.text}] if self.streamer is None else self.streamer.feed(out.text,
-                                                                                              final=out.finished)
-            for d in deltas:
-                parts.append(self.feed(d, None, None))
-            if out.finished:
-                parts.append(self.feed({}, out.finish_reason, out.stop_reason))
-        return b"".join(parts) or None
-
-    def feed(self, delta: dict[str, Any], finish_reason: str | None, stop_reason: str | int | None) -> bytes:
-        """One chat delta (an engine's, through the tool streamer, or a
-        node's chunk when the request was translated for it)."""
-        parts = []
-        if delta.get("content"):
-            parts.append(self._text(delta["content"]))
-        for tc in delta.get("tool_calls") or ():
-            parts.append(self._tool(tc))
-        if finish_reason is not None:
-            self.finish_reason = finish_reason
-            parts.append(self._close())
-        return b"".join(parts)
+    def _finish(self, finish_reason: str, stop_reason: str | int | None) -> bytes:
+        self.finish_reason = finish_reason
+        return self._close()
 
     def whole(self) -> dict[str, Any]:
         """The response, once every delta was fed (a client that does not

@@ -13,6 +13,13 @@ and `x-ratelimit-*-{budget}` headers. A request admitted under a budget may
 take it over by its own tokens: replicas together exceed a budget by at
 most their requests in flight and the records not yet visible to each
 other (one write and refresh cycle, `--usage-flush-interval`).
+
+With `--state-url` every replica also adds its records to running totals in
+Valkey/Redis (per key and day, server/state_store.py) and reads everyone's
+back twice a second: what a key used per day is the larger of the two
+counts (the ledger's, and the store's), so replicas that keep separate
+ledgers still share one budget, and a store that lost its data (restarted
+empty) counts nothing short. The ledger stays the record of what happened.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +78,9 @@ class BudgetBook:
         # records not yet in `base`: key -> day -> [requests, tokens]
         self.pending: dict[str, dict[int, list[int]]] = defaultdict(dict)
         self.in_flight: dict[str, int] = defaultdict(int)
+        # every replica's records from the shared store (--state-url): key -> day -> [requests, tokens]
+        self.shared: dict[str, dict[int, list[int]]] = {}
+        self.share: Callable[[str, int, int, int], None] | None = None  # adds a record to the store's totals
         self._written: list[tuple[str, int, int, int]] = []
         self._rebuild()
 
@@ -152,16 +163,22 @@ class BudgetBook:
         today = day_of(now)
         first, nxt = month_days(now)
         req_d = tok_d = req_m = tok_m = 0
+        days: dict[int, list[int]] = {}
         for src in (self.base.get(key), self.pending.get(key)):
-            if not src:
-                continue
-            for day, (r, t) in src.items():
-                if first <= day < nxt:
-                    req_m += r
-                    tok_m += t
-                    if day == today:
-                        req_d += r
-                        tok_d += t
+            for day, (r, t) in (src or {}).items():
+                slot = days.setdefault(day, [0, 0])
+                slot[0] += r
+                slot[1] += t
+        for day, (r, t) in self.shared.get(key, {}).items():  # the larger count of each day
+            slot = days.setdefault(day, [0, 0])
+            slot[0], slot[1] = max(slot[0], r), max(slot[1], t)
+        for day, (r, t) in days.items():
+            if first <= day < nxt:
+                req_m += r
+                tok_m += t
+                if day == today:
+                    req_d += r
+                    tok_d += t
         fl = self.in_flight.get(key, 0)
         return {"tokens_per_day": tok_d, "tokens_per_month": tok_m,
                 "requests_per_day": req_d + fl, "requests_per_month": req_m + fl}
@@ -171,9 +188,12 @@ class BudgetBook:
         """A finished request's record (buffered: not in the database yet)."""
         if key not in self.effective:
             return
-        slot = self.pending[key].setdefault(day_of(ts), [0, 0])
+        day = day_of(ts)
+        slot = self.pending[key].setdefault(day, [0, 0])
         slot[0] += requests
         slot[1] += tokens
+        if self.share is not None:
+            self.share(key, day, requests, tokens)
 
     def written(self, rows: list[tuple[str, int, int, int]]) -> None:
         """(key, day, requests, tokens) now in the database."""

@@ -18,12 +18,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
-from support import free_port
+from support import free_port, wait_until_sync
 
 __all__ = [
     "BinaryMissing",
@@ -70,18 +69,20 @@ def wait_for_port(
     port: int, proc: subprocess.Popen[bytes] | None = None, timeout: float = 20.0, host: str = "127.0.0.1"
 ) -> None:
     """Wait until host:port accepts a TCP connection (or the process dies)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def answers() -> bool:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before {host}:{port} answered")
         try:
             with socket.create_connection((host, port), timeout=0.5):
-                return
+                return True
         except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{host}:{port} did not answer within {timeout} s")
-        time.sleep(0.05)
+            return False
+
+    try:
+        wait_until_sync(answers, timeout, f"{host}:{port} to answer", interval=0.05)
+    except AssertionError:
+        raise TimeoutError(f"{host}:{port} did not answer within {timeout} s") from None
 
 
 def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
@@ -240,20 +241,22 @@ def start_prometheus(
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    deadline = time.monotonic() + timeout
     with httpx.Client(timeout=2.0) as client:
-        while True:
+
+        def ready() -> bool:
             if proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited with {proc.returncode}\n{_tail(log)}")
             try:
-                if client.get(f"http://127.0.0.1:{port}/-/ready").status_code == 200:
-                    return proc
+                return client.get(f"http://127.0.0.1:{port}/-/ready").status_code == 200
             except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                stop_process(proc, signal.SIGTERM, 5)
-                raise RuntimeError(f"prometheus not ready within {timeout} s\n{_tail(log)}")
-            time.sleep(0.1)
+                return False
+
+        try:
+            wait_until_sync(ready, timeout, "prometheus /-/ready", interval=0.1)
+        except AssertionError:
+            stop_process(proc, signal.SIGTERM, 5)
+            raise RuntimeError(f"prometheus not ready within {timeout} s\n{_tail(log)}") from None
+    return proc
 
 
 def _tail(path: Path, n: int = 40) -> str:

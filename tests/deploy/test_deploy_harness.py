@@ -4,7 +4,6 @@ PromQL metric-name helper."""
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import deploy_services
 import httpx
 import pytest
 from promql import contract_sample_names, grafana_query_metric_names, metric_names_in_promql
+from support import wait_until_sync
 
 
 @pytest.mark.e2e
@@ -64,15 +64,15 @@ scrape_configs:
     _proc, port = prometheus_factory(config)
     result: list[dict[str, object]] = []
     with httpx.Client(timeout=5) as client:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+
+        def scraped() -> bool:
+            nonlocal result
             body = client.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": 'up{job="self"}'}).json()
             assert body["status"] == "success"
             result = body["data"]["result"]
-            if result:
-                break
-            time.sleep(0.5)
-    assert result, "Prometheus never scraped itself"
+            return bool(result)
+
+        wait_until_sync(scraped, timeout=30, what="Prometheus to scrape itself", interval=0.5)
     assert result[0]["value"][1] == "1"  # type: ignore[index]
 
 

@@ -29,7 +29,7 @@ GATEWAY_FLAGS = {
     "max-queue-wait", "request-timeout", "shutdown-timeout", "sse-keep-alive-interval", "max-request-body-bytes",
     "readiness-interval", "tensor-parallel-size", "pipeline-parallel-size", "distributed-executor-backend",
     "max-model-len", "dtype", "enforce-eager", "max-num-seqs", "max-num-batched-tokens", "block-size",
-    "enable-prefix-caching", "gpu-memory-utilization", "profile-dir",
+    "enable-prefix-caching", "gpu-memory-utilization", "profile-dir", "state-url", "state-fail",
 }
 GATEWAY_ENV = {"NPUGW_" + f.upper().replace("-", "_") for f in GATEWAY_FLAGS} | {"NPUGW_CACHE_DIR"}
 
@@ -131,10 +131,13 @@ def test_standard_objects_validate_strictly(rendered: tuple[str, list[dict[str, 
 
 
 def test_crd_objects_validate(rendered: tuple[str, list[dict[str, Any]]]) -> None:
-    _name, docs = rendered
-    for doc in docs:
-        if doc["kind"] == "ServiceMonitor":
-            jsonschema.validate(doc, SERVICE_MONITOR_SCHEMA)
+    """Every CRD object is validated, and there is one to validate: a
+    kustomization that rendered none would pass the loop vacuously."""
+    name, docs = rendered
+    crds = [d for d in docs if d["kind"] in CRD_KINDS]
+    assert [d["kind"] for d in crds] == ["ServiceMonitor"], name
+    for doc in crds:
+        jsonschema.validate(doc, SERVICE_MONITOR_SCHEMA)
 
 
 def test_validation_can_fail(kubectl_binary: str) -> None:
@@ -308,3 +311,26 @@ def test_prometheus_adapter_example() -> None:
     for rule in config["rules"] + config["externalRules"]:
         assert rule["seriesQuery"].startswith("npugw_queue_depth{")
         assert "<<.Series>>" in rule["metricsQuery"] and "<<.LabelMatchers>>" in rule["metricsQuery"]
+
+
+def test_valkey_for_shared_limits(kubectl_binary: str) -> None:
+    """deploy/k8s/valkey renders and validates; the gateway's NPUGW_STATE_URL
+    names its Service and port, and is a URL the gateway accepts."""
+    from urllib.parse import urlsplit
+
+    from server.state_store import check_state_url
+
+    docs = render("valkey", kubectl_binary)
+    assert sorted(d["kind"] for d in docs) == ["Deployment", "Service"]
+    for doc in docs:
+        for version in K8S_VERSIONS:
+            kv.validate(doc, version, strict=True)
+    dep, svc = one(docs, "Deployment"), one(docs, "Service")
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    url = one(render("base", kubectl_binary), "ConfigMap")["data"]["NPUGW_STATE_URL"]
+    check_state_url(url)
+    parts = urlsplit(url)
+    assert parts.hostname == svc["metadata"]["name"]
+    assert parts.port in {p["port"] for p in svc["spec"]["ports"]}
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert {p["name"] for p in c["ports"]} == {svc["spec"]["ports"][0]["targetPort"]}

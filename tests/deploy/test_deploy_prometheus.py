@@ -5,10 +5,10 @@ nginx), which also evaluates every dashboard and HPA-adapter expression."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ import httpx
 import pytest
 import yaml
 from promql import GATEWAY_METRICS, contract_sample_names, metric_names_in_promql
+from support import wait_until_sync
 
 HERE = Path(__file__).resolve().parent
 PROM_DIR = HERE.parents[1] / "deploy" / "prometheus"
@@ -256,17 +257,16 @@ def test_real_prometheus_with_the_real_config(
 
     with httpx.Client(timeout=10) as client:
         # Let it scrape a few times with growing counters.
-        deadline = time.monotonic() + 40
-        tick = 0
-        while True:
-            tick += 1
+        ticks = itertools.count(1)
+
+        def scraped() -> bool:  # each poll grows the counters the targets expose
+            tick = next(ticks)
             for k in range(2):
                 (www / f"metrics-{k}.txt").write_text(synthetic_exposition(tick))
             up = _query(client, base, 'count_over_time(up{job="npu-gateway"}[1m]) >= 4')["data"]["result"]
-            if len(up) == 2:
-                break
-            assert time.monotonic() < deadline, "the synthetic targets were not scraped"
-            time.sleep(0.5)
+            return len(up) == 2
+
+        wait_until_sync(scraped, timeout=40, what="both synthetic targets scraped 4 times", interval=0.5)
 
         targets = client.get(f"{base}/api/v1/targets").json()["data"]["activeTargets"]
         gw = [t for t in targets if t["labels"]["job"] == "npu-gateway"]
@@ -277,12 +277,14 @@ def test_real_prometheus_with_the_real_config(
         groups = client.get(f"{base}/api/v1/rules").json()["data"]["groups"]
         loaded = {r["name"]: r for g in groups for r in g["rules"]}
         assert set(loaded) == set(_alerts())
-        deadline = time.monotonic() + 10
-        while any(r.get("health") != "ok" for r in loaded.values()):
-            assert time.monotonic() < deadline, {n: (r.get("health"), r.get("lastError")) for n, r in loaded.items()}
-            time.sleep(0.5)
+        def healthy() -> bool:
+            nonlocal loaded
             groups = client.get(f"{base}/api/v1/rules").json()["data"]["groups"]
             loaded = {r["name"]: r for g in groups for r in g["rules"]}
+            return all(r.get("health") == "ok" for r in loaded.values())
+
+        wait_until_sync(healthy, timeout=10, interval=0.5,
+                        what=lambda: str({n: (r.get("health"), r.get("lastError")) for n, r in loaded.items()}))
 
         # Device 0 is 85% full on both replicas: NPUMemoryHigh is pending
         # (its `for: 5m` has not passed); the 50% device is not.

@@ -25,7 +25,7 @@ import deploy_services
 import httpx
 import orjson
 import pytest
-from support import GatewayProcess, metric_value
+from support import GatewayProcess, metric_value, wait_until_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -74,12 +74,8 @@ def access_log(tmp_path: Path, name: str = "nginx") -> list[str]:
 def wait_logged(tmp_path: Path, count: int, name: str = "nginx", timeout: float = 5.0) -> list[str]:
     """The access log once it has `count` lines (nginx writes a line just
     after the response went out, so it may lag the client by a moment)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        lines = access_log(tmp_path, name)
-        if len(lines) >= count or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.05)
+    wait_until_sync(lambda: len(access_log(tmp_path, name)) >= count, timeout, f"{count} {name} log lines", 0.05)
+    return access_log(tmp_path, name)
 
 
 # ------------------------------------------------------------- streaming

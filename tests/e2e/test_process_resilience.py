@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from support import GatewayProcess, free_port, metric_value
+from support import GatewayProcess, free_port, metric_value, wait_until
 
 pytestmark = pytest.mark.e2e
 SIM = ["--backend", "simulated", "--embedding-model", "none", "--served-model-name", "sim"]
@@ -30,7 +30,8 @@ def start(tmp_path: Path, *args: str, name: str = "gw") -> GatewayProcess:
     return gw
 
 
-async def read_stream(url: str, body: dict[str, object]) -> list[str]:
+async def read_stream(url: str, body: dict[str, object], started: asyncio.Event | None = None) -> list[str]:
+    """The stream's `data:` payloads; `started` is set at the first one."""
     events: list[str] = []
     async with httpx.AsyncClient(timeout=60) as http:
         async with http.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}) as r:
@@ -38,17 +39,25 @@ async def read_stream(url: str, body: dict[str, object]) -> list[str]:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
+                    if started is not None:
+                        started.set()
     return events
+
+
+async def draining(url: str) -> bool:
+    async with httpx.AsyncClient(timeout=10) as http:
+        return (await http.get(url + "/ready")).status_code == 503
 
 
 @pytest.mark.asyncio
 async def test_sigterm_drains_in_flight_and_refuses_new(tmp_path: Path) -> None:
     gw = start(tmp_path, "--simulated-itl", "0.05", "--shutdown-timeout", "20")
     try:
-        stream = asyncio.ensure_future(read_stream(gw.url, {**CHAT, "max_tokens": 40}))
-        await asyncio.sleep(0.5)
+        started = asyncio.Event()
+        stream = asyncio.ensure_future(read_stream(gw.url, {**CHAT, "max_tokens": 40}, started))
+        await wait_until(started.is_set, timeout=30, what="the stream's first chunk")
         gw.signal(signal.SIGTERM)
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: draining(gw.url), timeout=10, what="/ready to say 503", interval=0.05)
         async with httpx.AsyncClient(timeout=10) as http:
             ready = await http.get(gw.url + "/ready")
             assert ready.status_code == 503 and ready.json()["status"] == "draining"
@@ -71,8 +80,9 @@ async def test_sigterm_drains_in_flight_and_refuses_new(tmp_path: Path) -> None:
 async def test_sigterm_aborts_what_outlives_the_shutdown_timeout(tmp_path: Path) -> None:
     gw = start(tmp_path, "--simulated-itl", "0.05", "--shutdown-timeout", "1")
     try:
-        stream = asyncio.ensure_future(read_stream(gw.url, {**CHAT, "max_tokens": 2000}))
-        await asyncio.sleep(0.5)
+        started = asyncio.Event()
+        stream = asyncio.ensure_future(read_stream(gw.url, {**CHAT, "max_tokens": 2000}, started))
+        await wait_until(started.is_set, timeout=30, what="the stream's first chunk")
         t0 = time.monotonic()
         gw.signal(signal.SIGTERM)
         events = await stream

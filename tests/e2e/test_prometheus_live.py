@@ -34,7 +34,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from promql import grafana_query_metric_names, metric_names_in_promql
-from support import EMBEDDED, GatewayProcess, metric_value
+from support import EMBEDDED, GatewayProcess, metric_value, wait_until, wait_until_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engine]
 
@@ -142,14 +142,12 @@ def test_engine_counters_move_by_exactly_the_served_usage(real_gateway: GatewayP
 
     # The stat logger runs once per engine step: let it catch up, then the
     # deltas must be exact (not merely >=).
-    deadline = time.monotonic() + 60
-    while True:
+    def reported() -> bool:
         after = scrape(real_gateway)
-        finished = delta(after, "vllm:request_success_total", **m)
-        if finished >= 3 and delta(after, "vllm:e2e_request_latency_seconds_count", **m) >= 3:
-            break
-        assert time.monotonic() < deadline, "the engine's stat logger did not report the requests"
-        time.sleep(0.2)
+        return (delta(after, "vllm:request_success_total", **m) >= 3
+                and delta(after, "vllm:e2e_request_latency_seconds_count", **m) >= 3)
+
+    wait_until_sync(reported, timeout=60, what="the engine's stat logger to report the requests", interval=0.2)
     time.sleep(0.5)
     after = scrape(real_gateway)
 
@@ -237,15 +235,13 @@ async def test_queue_depth_rises_while_requests_wait_and_drains(real_gateway: Ga
         assert max(r for _, r, _ in seen) <= 8, seen
 
         # Back to idle: nothing queued, nothing running.
-        deadline = time.monotonic() + 60
-        while True:
+        async def idle() -> bool:
             text = (await http.get(real_gateway.url + "/metrics")).text
-            depth = value(text, "npugw_queue_depth", model_name=EMBEDDED)
-            running = value(text, "vllm:num_requests_running", model_name=EMBEDDED)
-            if depth == 0 and running == 0:
-                break
-            assert time.monotonic() < deadline, (depth, running)
-            await asyncio.sleep(0.2)
+            return (value(text, "npugw_queue_depth", model_name=EMBEDDED),
+                    value(text, "vllm:num_requests_running", model_name=EMBEDDED)) == (0, 0)
+
+        await wait_until(idle, timeout=60, what="no request queued or running", interval=0.2)
+        text = (await http.get(real_gateway.url + "/metrics")).text
         assert value(text, "npugw_requests_running", model_name=EMBEDDED) == 0
 
 
@@ -304,13 +300,14 @@ def _query(client: httpx.Client, base: str, expr: str) -> list[dict[str, Any]]:
 def _wait_query(
     client: httpx.Client, base: str, expr: str, ok: Callable[[list[dict[str, Any]]], bool], timeout: float = 60
 ) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = _query(client, base, expr)
-        if ok(result):
-            return result
-        assert time.monotonic() < deadline, f"{expr}: {result}"
-        time.sleep(0.5)
+    seen: list[list[dict[str, Any]]] = []
+
+    def holds() -> bool:
+        seen.append(_query(client, base, expr))
+        return ok(seen[-1])
+
+    wait_until_sync(holds, timeout=timeout, what=lambda: f"{expr} (last result: {seen[-1:]})", interval=0.5)
+    return seen[-1]
 
 
 def test_real_prometheus_scrapes_the_real_gateway(
@@ -388,19 +385,14 @@ def test_real_prometheus_scrapes_the_real_gateway(
                 and all(r.get("health") == "ok" and r.get("lastEvaluation", "").startswith("20") for r in rules)
             )
 
-        deadline = time.monotonic() + 30
-        while not rules_ok():
-            assert time.monotonic() < deadline, client.get(f"{base}/api/v1/rules").json()
-            time.sleep(0.5)
+        wait_until_sync(rules_ok, timeout=30, what="every rule loaded, healthy and evaluated", interval=0.5)
         # ... and NPUMemoryHigh is pending (for: 5m) on every device of the NPU replica only.
-        deadline = time.monotonic() + 30
-        while True:
+        def memory_alerts() -> list[dict[str, Any]]:
             alerts = client.get(f"{base}/api/v1/alerts").json()["data"]["alerts"]
-            mem = [a for a in alerts if a["labels"]["alertname"] == "NPUMemoryHigh"]
-            if len(mem) >= 16:
-                break
-            assert time.monotonic() < deadline, alerts
-            time.sleep(0.5)
+            return [a for a in alerts if a["labels"]["alertname"] == "NPUMemoryHigh"]
+
+        wait_until_sync(lambda: len(memory_alerts()) >= 16, timeout=30, what="16 NPUMemoryHigh alerts", interval=0.5)
+        mem = memory_alerts()
         assert {(a["labels"]["instance"], a["state"]) for a in mem} == {(npu, "pending")}
         assert sorted(int(a["labels"]["device"]) for a in mem) == list(range(16))
 

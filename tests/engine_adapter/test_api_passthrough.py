@@ -19,8 +19,9 @@ import orjson
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from fakes import FakeNode
 from sim_app import serve
-from support import free_port, metric_value
+from support import metric_value
 
 from engine_adapter.backends.api_relay import apis_from_openapi
 from server.settings import Settings
@@ -41,25 +42,18 @@ def _const(obj: Any) -> Any:
     return handler
 
 
-class ApiNode:
+class ApiNode(FakeNode):
     """A node that records what it gets. It serves chat, completions and
     /tokenize always, and the paths in `native` (listed in its
     /openapi.json), answering in each API's shape with fixed usage. `status`
     makes every POST fail in the path's own error shape."""
 
     def __init__(self, native: tuple[str, ...] = ALL, openapi: bool = True) -> None:
+        super().__init__()
         self.native = native
         self.openapi = openapi
-        self.status = 200
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.runner: web.AppRunner | None = None
-        self.url = ""
 
-    async def start(self) -> ApiNode:
-        app = web.Application()
-        models = {"object": "list", "data": [{"id": "node-model", "object": "model", "max_model_len": 2048}]}
-        app.router.add_get("/health", _const(None))
-        app.router.add_get("/v1/models", _const(models))
+    def routes(self, app: web.Application) -> None:
         if self.openapi:
             paths = {p: {"post": {}} for p in ("/v1/chat/completions", "/v1/completions", "/tokenize", *self.native)}
             if "/generate" in self.native:  # npu-gateway's /generate takes both shapes
@@ -68,21 +62,11 @@ class ApiNode:
             app.router.add_get("/openapi.json", _const({"paths": paths}))
         for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", *self.native):
             app.router.add_post(path, self.answer)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        port = free_port()
-        await web.TCPSite(self.runner, "127.0.0.1", port).start()
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
 
     async def answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         path = request.path
-        self.calls.append((path, body))
+        self.calls.append((path, body, {k.lower(): v for k, v in request.headers.items()}))
         if self.status != 200:
             return web.json_response(self.error(path), status=self.status)
         model = body["model"]
@@ -245,14 +229,14 @@ async def test_responses_pass_through(native: ApiNode) -> None:
         extra = {"reasoning": {"effort": "low"}, "some_vendor_field": [1, 2]}
         r = await sdk.responses.create(model="remote", input="Hi", instructions="Be brief.", tools=[WEATHER],  # type: ignore[list-item]
                                        extra_body=extra)
-        path, got = native.calls[-1]
+        path, got, _ = native.calls[-1]
         assert path == "/v1/responses" and got == {"model": "node-model", "input": "Hi", "instructions": "Be brief.",
                                                    "tools": [WEATHER], **extra}
         assert r.id == "resp_node" and r.model == "remote" and r.output_text == "Hi there"
         async with sdk.responses.stream(model="remote", input="Hi") as stream:
             kinds = [e.type async for e in stream]
             final = await stream.get_final_response()
-        assert native.calls[-1] == ("/v1/responses", {"model": "node-model", "input": "Hi", "stream": True})
+        assert native.calls[-1][:2] == ("/v1/responses", {"model": "node-model", "input": "Hi", "stream": True})
         assert kinds == ["response.created", "response.output_item.added", "response.content_part.added",
                          "response.output_text.delta", "response.completed"]
         assert final.model == "remote" and final.output_text == "Hi there"
@@ -268,7 +252,7 @@ async def test_messages_and_count_tokens_pass_through(native: ApiNode) -> None:
         msgs: Any = [{"role": "user", "content": "Hi"}]
         m = await sdk.messages.create(model="remote", max_tokens=10, messages=msgs, system="Be brief.",
                                       extra_body={"top_k": 3})
-        assert native.calls[-1] == ("/v1/messages", {"model": "node-model", "max_tokens": 10, "messages": msgs,
+        assert native.calls[-1][:2] == ("/v1/messages", {"model": "node-model", "max_tokens": 10, "messages": msgs,
                                                      "system": "Be brief.", "top_k": 3})
         assert m.model == "remote" and m.content[0].text == "Hi there"  # type: ignore[union-attr]
         async with sdk.messages.stream(model="remote", max_tokens=10, messages=msgs) as stream:
@@ -292,7 +276,7 @@ async def test_generate_shapes_pass_through(native: ApiNode) -> None:
         body = {"prompt": "The capital is", "max_tokens": 5}
         r = await client.post("/generate", json=body)
         assert r.json() == {"text": ["The capital is Paris is nice"]}
-        assert native.calls[-1] == ("/generate", {**body, "model": "node-model"})
+        assert native.calls[-1][:2] == ("/generate", {**body, "model": "node-model"})
         r = await client.post("/generate", json={**body, "stream": True})
         lines = [json.loads(line) for line in r.text.splitlines() if line]
         assert r.headers["content-type"].startswith("application/x-ndjson") and len(lines) == 3
@@ -300,7 +284,7 @@ async def test_generate_shapes_pass_through(native: ApiNode) -> None:
         tgi = {"inputs": "The capital is", "parameters": {"max_new_tokens": 5, "details": True}}
         r = await client.post("/generate", json=tgi)
         assert r.json()["generated_text"] == " Paris is nice" and r.json()["details"]["generated_tokens"] == 3
-        assert native.calls[-1] == ("/generate", {**tgi, "model": "node-model"})
+        assert native.calls[-1][:2] == ("/generate", {**tgi, "model": "node-model"})
         r = await client.post("/generate_stream", json=tgi)
         events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
         assert [e["token"]["id"] for e in events] == [7, 8, 9] and events[-1]["generated_text"] == " Paris is nice"
@@ -317,7 +301,7 @@ async def test_a_node_without_the_apis_gets_them_translated(plain: ApiNode) -> N
     async with serve(None, tier(f"remote={plain.url}")) as (client, _):
         oai = openai.AsyncOpenAI(base_url=f"{str(client.base_url).rstrip('/')}/v1", api_key="x", max_retries=0)
         r = await oai.responses.create(model="remote", input="Hi", instructions="Be brief.", max_output_tokens=9)
-        path, got = plain.calls[-1]
+        path, got, _ = plain.calls[-1]
         assert path == "/v1/chat/completions" and got["model"] == "node-model" and got["max_tokens"] == 9
         assert got["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
         assert r.model == "remote" and r.output_text == "Bonjour Paris" and r.status == "incomplete"
@@ -352,7 +336,7 @@ async def test_a_node_without_the_apis_gets_them_translated(plain: ApiNode) -> N
         assert used.stop_reason == "tool_use" and used.content[0].input == {"city": "Paris"}  # type: ignore[union-attr]
         assert used.usage.input_tokens == 17
         counted = await claude.messages.count_tokens(model="remote", messages=msgs)
-        assert counted.input_tokens == 21 and plain.calls[-1] == ("/tokenize", {"model": "node-model",
+        assert counted.input_tokens == 21 and plain.calls[-1][:2] == ("/tokenize", {"model": "node-model",
                                                                              "messages": msgs})
         await claude.close()
 

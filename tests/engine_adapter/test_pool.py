@@ -254,8 +254,7 @@ async def test_ready_turns_false_when_engine_hangs_later() -> None:
     await pool.start()
     assert pool.ready()
     engines[0].config = SimulatedConfig(hang=True)
-    await asyncio.sleep(0.8)
-    assert not pool.ready()
+    await wait_until(lambda: not pool.ready(), timeout=10, what="the readiness probe to see the hung engine")
     await pool.stop()
 
 

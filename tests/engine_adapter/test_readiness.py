@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from support import wait_until
 
 from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
 from engine_adapter.pool import WorkerPool
@@ -52,15 +53,6 @@ async def feed_output(pool: WorkerPool, seconds: float) -> None:
         await asyncio.sleep(0.01)
 
 
-async def wait_until(cond: object, timeout: float) -> float:
-    t0 = time.monotonic()
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(0.01)
-    return time.monotonic() - t0
-
-
 @pytest.mark.asyncio
 async def test_busy_engine_gets_no_probe_requests() -> None:
     pool, engines = make_pool(0.2)
@@ -69,7 +61,7 @@ async def test_busy_engine_gets_no_probe_requests() -> None:
     await feed_output(pool, 1.0)  # five intervals of output
     assert engines[0].probes == start_probes
     # idle again: probed, and stays ready
-    await wait_until(lambda: engines[0].probes > start_probes, 2.0)
+    await wait_until(lambda: engines[0].probes > start_probes, timeout=2.0, interval=0.01)
     assert pool.ready()
     await pool.stop()
 
@@ -81,7 +73,7 @@ async def test_idle_engine_is_probed_once_per_interval_not_twice() -> None:
     active, a_engines = make_pool(interval, passive=False)
     await passive.start()
     await active.start()
-    await wait_until(lambda: a_engines[0].probes >= 9, 5.0)  # ~8 intervals idle
+    await wait_until(lambda: a_engines[0].probes >= 9, timeout=5.0, interval=0.01)  # ~8 intervals idle
     p, a = p_engines[0].probes, a_engines[0].probes
     assert passive.ready() and active.ready()
     await passive.stop()
@@ -95,7 +87,7 @@ async def test_active_mode_probes_a_busy_engine() -> None:
     await pool.start()
     start_probes = engines[0].probes
     feeding = asyncio.ensure_future(feed_output(pool, 2.0))
-    await wait_until(lambda: engines[0].probes > start_probes, 2.0)
+    await wait_until(lambda: engines[0].probes > start_probes, timeout=2.0, interval=0.01)
     feeding.cancel()
     await asyncio.gather(feeding, return_exceptions=True)
     await pool.stop()
@@ -110,7 +102,7 @@ async def test_hung_engine_turns_not_ready_within_one_and_a_half_intervals_of_it
     engines[0].config = SimulatedConfig(hang=True)  # no more output, probes hang
     last = pool.workers[0].last_output
     assert last is not None
-    await wait_until(lambda: not pool.ready(), 3 * interval)
+    await wait_until(lambda: not pool.ready(), timeout=3 * interval, interval=0.01)
     assert time.monotonic() - last <= 1.5 * interval + 0.2
     # and it stays not ready while hung (its probes time out)
     end = time.monotonic() + 2 * interval

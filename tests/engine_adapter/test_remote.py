@@ -18,9 +18,9 @@ from typing import Any
 import orjson
 import pytest
 import pytest_asyncio
-from aiohttp import web
+from fakes import FakeNode, tier
 from sim_app import serve
-from support import free_port, metric_value, wait_until
+from support import metric_value, wait_until
 
 from engine_adapter.backends.aggregate import aggregate
 from server.access_log import ACCESS_LOGGER
@@ -30,143 +30,11 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
           "properties": {"city": {"type": "string"}}}}}]
 
 
-class Node:
-    """An OpenAI-compatible node that records what it gets and answers like
-    vLLM: chat chunks (role, content words, one tool call), a usage chunk
-    when asked, `[DONE]`. Knobs: `status` (+ `retry_after`), `hang` (accept
-    and never answer, health checks included), `cut` (close after 2 chunks),
-    `delay` between chunks."""
-
-    def __init__(self, models: tuple[str, ...] = ("node-model",)) -> None:
-        self.models = models
-        self.slots: int | None = None  # its cards' "slots", as an npu-gateway node says
-        self.status = 200
-        self.retry_after: str | None = None
-        self.hang = False
-        self.cut = False
-        self.delay = 0.0
-        self.calls: list[tuple[str, dict[str, Any], dict[str, str]]] = []
-        self._release = asyncio.Event()
-        self.disconnects = 0
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def start(self) -> Node:
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/v1/models", self.list_models)
-        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
-            app.router.add_post(path, self.generate)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        port = free_port()
-        await web.TCPSite(self.runner, "127.0.0.1", port).start()
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def stop(self) -> None:
-        self._release.set()  # hanging handlers return, so the server stops at once
-        if self.runner is not None:
-            await self.runner.cleanup()
-
-    async def _maybe_hang(self) -> None:
-        if self.hang:
-            await self._release.wait()
-            raise web.HTTPServiceUnavailable()
-
-    async def health(self, request: web.Request) -> web.Response:
-        await self._maybe_hang()
-        return web.Response(status=200)
-
-    async def list_models(self, request: web.Request) -> web.Response:
-        await self._maybe_hang()
-        extra = {} if self.slots is None else {"slots": self.slots}
-        data = [{"id": m, "object": "model", "max_model_len": 2048, **extra} for m in self.models]
-        return web.json_response({"object": "list", "data": data})
-
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.calls.append((request.path, body, {k.lower(): v for k, v in request.headers.items()}))
-        await self._maybe_hang()
-        if self.status != 200:
-            headers = {"Retry-After": self.retry_after} if self.retry_after else {}
-            err = {"error": {"message": f"node says {self.status}", "type": "BadRequestError", "code": self.status}}
-            return web.json_response(err, status=self.status, headers=headers)
-        model = body["model"]
-        if request.path == "/v1/embeddings":
-            return web.json_response({"object": "list", "model": model, "data": [
-                {"object": "embedding", "index": 0, "embedding": [0.5, 0.5]}],
-                "usage": {"prompt_tokens": 3, "total_tokens": 3}})
-        chat = request.path == "/v1/chat/completions"
-        head = {"id": "chatcmpl-node", "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": 1, "model": model}
-        words = ["The", " capital", " is", " Paris", "."]
-        events: list[dict[str, Any]] = []
-        if chat:
-            events.append({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-        for w in words:
-            delta = {"content": w} if chat else None
-            choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": w}
-            events.append({**head, "choices": [{**choice, "logprobs": None, "finish_reason": None}]})
-        if chat and body.get("tools"):
-            call = {"index": 0, "id": "call-1", "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": '}}
-            events.append({**head, "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}]})
-            more = {"index": 0, "function": {"arguments": '"Paris"}'}}
-            events.append({**head, "choices": [{"index": 0, "delta": {"tool_calls": [more]}, "finish_reason": None}]})
-        last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
-        events.append({**head, "choices": [{**last, "logprobs": None, "finish_reason": "stop",
-                                            "stop_reason": None}]})
-        opts = body.get("stream_options") or {}
-        if opts.get("include_usage"):
-            events.append({**head, "choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 6,
-                                                             "total_tokens": 17,
-                                                             "prompt_tokens_details": {"cached_tokens": 4}}})
-        if not body.get("stream"):
-            return web.json_response(self.plain_answer(head, chat, "".join(words), bool(body.get("tools"))))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        try:
-            for i, e in enumerate(events):
-                if self.cut and i == 2:
-                    assert request.transport is not None
-                    request.transport.close()
-                    return resp
-                if self.delay:
-                    await asyncio.sleep(self.delay)
-                await resp.write(b"data: " + orjson.dumps(e) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, ConnectionError):
-            self.disconnects += 1
-            raise
-        return resp
-
-
-    @staticmethod
-    def plain_answer(head: dict[str, Any], chat: bool, text: str, tools: bool) -> dict[str, Any]:
-        usage = {"prompt_tokens": 11, "completion_tokens": 6, "total_tokens": 17,
-                 "prompt_tokens_details": {"cached_tokens": 4}}
-        if not chat:
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}
-            return {**head, "choices": [choice], "usage": usage}
-        msg: dict[str, Any] = {"role": "assistant", "content": text}
-        if tools:
-            msg["tool_calls"] = [{"id": "call-1", "type": "function",
-                                  "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
-        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": "stop"}
-        return {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
-
-
 @pytest_asyncio.fixture
-async def node() -> AsyncIterator[Node]:
-    n = await Node().start()
+async def node() -> AsyncIterator[FakeNode]:
+    n = await FakeNode().start()
     yield n
     await n.stop()
-
-
-def tier(*upstreams: str, **kw: Any) -> Settings:
-    return Settings(model="none", upstream=list(upstreams), readiness_interval=1, **kw)
 
 
 def events(raw: bytes) -> list[Any]:
@@ -176,7 +44,7 @@ def events(raw: bytes) -> list[Any]:
 
 
 @pytest.mark.asyncio
-async def test_a_chat_stream_passes_through_with_only_model_changed(node: Node) -> None:
+async def test_a_chat_stream_passes_through_with_only_model_changed(node: FakeNode) -> None:
     async with serve(None, tier(f"remote={node.url}")) as (client, _):
         body = {"model": "remote", "messages": [{"role": "user", "content": "Weather in Paris?"}],
                 "tools": TOOLS, "tool_choice": "auto", "chat_template_kwargs": {"enable_thinking": False},
@@ -204,7 +72,7 @@ async def test_a_chat_stream_passes_through_with_only_model_changed(node: Node) 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("plain", ["direct", "stream"])
 async def test_usage_reaches_the_client_only_when_asked_and_a_plain_call_is_relayed_or_joined(
-    node: Node, plain: str
+    node: FakeNode, plain: str
 ) -> None:
     spec = f"remote={node.url}" + (";plain=stream" if plain == "stream" else "")
     async with serve(None, tier(spec)) as (client, _):
@@ -236,7 +104,7 @@ async def test_usage_reaches_the_client_only_when_asked_and_a_plain_call_is_rela
 
 @pytest.mark.asyncio
 async def test_the_node_model_id_is_learned_or_picked_and_a_mismatch_is_named() -> None:
-    two = await Node(models=("a", "b")).start()
+    two = await FakeNode(models=("a", "b")).start()
     try:
         async with serve(None, tier(f"many={two.url}", f"picked={two.url};model=b", f"wrong={two.url};model=z",
                                     admin_api_key="adm")) as (client, _):
@@ -255,7 +123,7 @@ async def test_the_node_model_id_is_learned_or_picked_and_a_mismatch_is_named() 
 
 
 @pytest.mark.asyncio
-async def test_node_errors_keep_their_status(node: Node) -> None:
+async def test_node_errors_keep_their_status(node: FakeNode) -> None:
     async with serve(None, tier(f"remote={node.url}")) as (client, _):
         body = {"model": "remote", "messages": [{"role": "user", "content": "hi"}], "stream": True}
         node.status = 400
@@ -272,7 +140,7 @@ async def test_node_errors_keep_their_status(node: Node) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_node_that_closes_mid_stream_ends_with_an_error_event(node: Node) -> None:
+async def test_a_node_that_closes_mid_stream_ends_with_an_error_event(node: FakeNode) -> None:
     node.cut, node.delay = True, 0.05  # the first chunks reach the client, then the node closes
     async with serve(None, tier(f"remote={node.url}")) as (client, app):
         body = {"model": "remote", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -286,8 +154,8 @@ async def test_a_node_that_closes_mid_stream_ends_with_an_error_event(node: Node
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_black_hole_ends_within_read_timeout_while_a_healthy_node_answers(node: Node, stream: bool) -> None:
-    hole = await Node().start()
+async def test_a_black_hole_ends_within_read_timeout_while_a_healthy_node_answers(node: FakeNode, stream: bool) -> None:
+    hole = await FakeNode().start()
     try:
         slow = f"hole={hole.url};read_timeout=1;health_interval=30"
         async with serve(None, tier(slow, f"ok={node.url}")) as (client, _):
@@ -306,7 +174,7 @@ async def test_a_black_hole_ends_within_read_timeout_while_a_healthy_node_answer
 
 
 @pytest.mark.asyncio
-async def test_an_ejected_url_fails_the_requests_waiting_on_it_at_once(node: Node) -> None:
+async def test_an_ejected_url_fails_the_requests_waiting_on_it_at_once(node: FakeNode) -> None:
     cfg = f"remote={node.url};read_timeout=60;health_interval=0.2;eject_after=1"
     async with serve(None, tier(cfg)) as (client, _):
         node.hang = True
@@ -318,12 +186,12 @@ async def test_an_ejected_url_fails_the_requests_waiting_on_it_at_once(node: Nod
 
 
 @pytest.mark.asyncio
-async def test_a_url_whose_breaker_opened_serves_again_after_its_cooldown(node: Node) -> None:
+async def test_a_url_whose_breaker_opened_serves_again_after_its_cooldown(node: FakeNode) -> None:
     """The breaker's half-open trial reaches the node and closes it again;
     then requests are shared by both URLs with no failed first attempt (a
     breaker that opened once used to fail every later attempt on its URL at
     once, each request paying a retry on the other URL)."""
-    bad = await Node().start()
+    bad = await FakeNode().start()
     try:
         cfg = f"remote={bad.url},{node.url};eject_after=2;cooldown=0.3;health_interval=30"
         async with serve(None, tier(cfg)) as (client, app):
@@ -359,7 +227,7 @@ async def test_a_url_whose_breaker_opened_serves_again_after_its_cooldown(node: 
 
 
 @pytest.mark.asyncio
-async def test_a_client_disconnect_closes_the_upstream_request(node: Node) -> None:
+async def test_a_client_disconnect_closes_the_upstream_request(node: FakeNode) -> None:
     node.delay = 0.2
     async with serve(None, tier(f"remote={node.url}")) as (client, app):
         body = {"model": "remote", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -372,22 +240,19 @@ async def test_a_client_disconnect_closes_the_upstream_request(node: Node) -> No
 
 
 @pytest.mark.asyncio
-async def test_gateway_only_readiness_follows_the_nodes(node: Node) -> None:
+async def test_gateway_only_readiness_follows_the_nodes(node: FakeNode) -> None:
     async with serve(None, tier(f"remote={node.url};health_interval=0.2;eject_after=1")) as (client, _):
         assert (await client.get("/ready")).status_code == 200
         node.hang = True
         async def not_ready() -> bool:
             return (await client.get("/ready")).status_code == 503
-        deadline = time.monotonic() + 10
-        while not await not_ready():
-            assert time.monotonic() < deadline, "/ready did not turn 503"
-            await asyncio.sleep(0.05)
+        await wait_until(not_ready, timeout=10, what="/ready to turn 503", interval=0.05)
         r = await client.post("/v1/embeddings", json={"model": "remote", "input": "x"})
         assert r.status_code == 503
 
 
 @pytest.mark.asyncio
-async def test_embeddings_pass_through(node: Node) -> None:
+async def test_embeddings_pass_through(node: FakeNode) -> None:
     async with serve(None, tier(f"remote={node.url}")) as (client, _):
         r = await client.post("/v1/embeddings", json={"model": "remote", "input": "abc", "dimensions": 2})
         assert r.status_code == 200 and r.json()["model"] == "remote" and r.json()["data"][0]["embedding"]
@@ -396,7 +261,7 @@ async def test_embeddings_pass_through(node: Node) -> None:
 
 
 @pytest.mark.asyncio
-async def test_the_short_path_takes_well_typed_bodies_and_the_full_path_the_rest(node: Node) -> None:
+async def test_the_short_path_takes_well_typed_bodies_and_the_full_path_the_rest(node: FakeNode) -> None:
     """server/fast_relay.py: a body whose own fields (stream, n, priority,
     token limits, user) are malformed goes the full path and gets the
     gateway's validation error, never reaching the node; a well-typed body is
@@ -430,7 +295,7 @@ async def test_the_short_path_takes_well_typed_bodies_and_the_full_path_the_rest
 
 @pytest.mark.asyncio
 async def test_a_client_that_leaves_before_the_first_byte_is_logged_499_and_aborts_the_node(
-    node: Node, caplog: pytest.LogCaptureFixture
+    node: FakeNode, caplog: pytest.LogCaptureFixture
 ) -> None:
     watched = [logging.getLogger(name) for name in ("uvicorn.error", ACCESS_LOGGER)]  # they do not propagate
     try:

@@ -7,11 +7,10 @@ URL, and through a gateway tier in front of two recording nodes."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
+from fakes import FakeNode, tier
 from sim_app import serve
 from support import metric_value, wait_until
 
@@ -30,19 +29,6 @@ from engine_adapter.routing.policy import (
 from engine_adapter.routing.upstream import Endpoint, Upstream, UpstreamConfig, parse_upstream
 from engine_adapter.types import GenerationRequest, SamplingOptions
 
-
-def _recording_nodes() -> Any:
-    """test_remote.py's recording node and tier settings (test modules are
-    not importable by name under --import-mode=importlib)."""
-    spec = importlib.util.spec_from_file_location("_remote_nodes", Path(__file__).with_name("test_remote.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_nodes = _recording_nodes()
-Node, tier = _nodes.Node, _nodes.tier
 SYSTEM = tuple(range(1000, 1600))  # a 600-token shared prefix
 
 
@@ -317,7 +303,7 @@ async def test_upstream_slots_move_a_match_off_a_full_url() -> None:
 
 @pytest.mark.asyncio
 async def test_a_tier_learns_each_nodes_slots_from_its_model_card() -> None:
-    a, b = await Node().start(), await Node().start()
+    a, b = await FakeNode().start(), await FakeNode().start()
     a.slots = b.slots = 2  # what npu-gateway nodes say in /v1/models
     try:
         async with serve(None, tier(f"remote={a.url},{b.url}", routing_policy=["prefix"])) as (client, app):
@@ -351,7 +337,7 @@ async def test_a_tier_learns_each_nodes_slots_from_its_model_card() -> None:
 # ---- through a gateway tier -----------------------------------------------
 @pytest.mark.asyncio
 async def test_a_tier_keeps_a_shared_system_prompt_on_one_node() -> None:
-    a, b = await Node().start(), await Node().start()
+    a, b = await FakeNode().start(), await FakeNode().start()
     try:
         settings = tier(f"remote={a.url},{b.url}", routing_policy=["prefix"])
         async with serve(None, settings) as (client, _):

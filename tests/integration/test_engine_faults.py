@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import httpx
 import orjson
 import psutil
 import pytest
-from support import EMBEDDED, GatewayProcess, metric_value
+from support import EMBEDDED, GatewayProcess, metric_value, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -30,7 +29,14 @@ def engine_cores(pid: int) -> list[psutil.Process]:
     return out
 
 
-async def stream_events(url: str, max_tokens: int) -> list[str]:
+async def both_engines_running(url: str) -> bool:
+    """Each of the two engines runs a request (vLLM's scheduler gauge)."""
+    async with httpx.AsyncClient(timeout=30) as http:
+        text = (await http.get(url + "/metrics")).text
+    return all(metric_value(text, "vllm:num_requests_running", model_name=EMBEDDED, engine=e) >= 1 for e in "01")
+
+
+async def stream_events(url: str, max_tokens: int, started: asyncio.Event | None = None) -> list[str]:
     body = {
         "model": EMBEDDED, "messages": [{"role": "user", "content": "Tell me a long story."}],
         "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
@@ -42,6 +48,8 @@ async def stream_events(url: str, max_tokens: int) -> list[str]:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
+                    if started is not None:
+                        started.set()
     return events
 
 
@@ -67,8 +75,9 @@ async def test_killed_engine_core_fails_its_requests_cleanly_and_restarts(two_wo
     cores = engine_cores(two_workers.proc.pid)
     assert len(cores) == 2, [c.cmdline() for c in cores]
     # one long stream per worker (least-loaded dispatch), then kill one core
-    streams = [asyncio.ensure_future(stream_events(url, 600)) for _ in range(2)]
-    await asyncio.sleep(3)
+    started = [asyncio.Event(), asyncio.Event()]
+    streams = [asyncio.ensure_future(stream_events(url, 600, s)) for s in started]
+    await wait_until(lambda: all(s.is_set() for s in started), timeout=240, what="both streams' first chunk")
     victim = cores[0]
     os.kill(victim.pid, signal.SIGKILL)
     results = await asyncio.wait_for(asyncio.gather(*streams), timeout=240)
@@ -83,16 +92,12 @@ async def test_killed_engine_core_fails_its_requests_cleanly_and_restarts(two_wo
         body = {"model": EMBEDDED, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         ok = await http.post(url + "/v1/chat/completions", json=body)
         assert ok.status_code == 200, ok.text
-        deadline = time.monotonic() + 240
-        alive = restarts = 0.0
-        while time.monotonic() < deadline:
+        async def restarted() -> bool:
             text = (await http.get(url + "/metrics")).text
-            alive = metric_value(text, "npugw_workers_alive", model_name=EMBEDDED)
-            restarts = metric_value(text, "npugw_worker_restarts_total", model_name=EMBEDDED)
-            if alive == 2 and restarts == 1:
-                break
-            await asyncio.sleep(1)
-        assert (alive, restarts) == (2, 1)
+            return (metric_value(text, "npugw_workers_alive", model_name=EMBEDDED),
+                    metric_value(text, "npugw_worker_restarts_total", model_name=EMBEDDED)) == (2, 1)
+
+        await wait_until(restarted, timeout=240, what="2 alive workers after 1 restart", interval=1)
         assert len(engine_cores(two_workers.proc.pid)) == 2
         assert victim.pid not in [c.pid for c in engine_cores(two_workers.proc.pid)]
         rs = await asyncio.gather(*(http.post(url + "/v1/chat/completions", json=body) for _ in range(4)))
@@ -108,7 +113,7 @@ async def test_plain_request_on_dying_engine_gets_503(two_workers: GatewayProces
             "max_tokens": 600, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=300) as http:
         reqs = [asyncio.ensure_future(http.post(url + "/v1/chat/completions", json=body)) for _ in range(2)]
-        await asyncio.sleep(3)
+        await wait_until(lambda: both_engines_running(url), timeout=240, what="a request on each engine", interval=0.2)
         os.kill(engine_cores(two_workers.proc.pid)[1].pid, signal.SIGKILL)
         rs = await asyncio.wait_for(asyncio.gather(*reqs), timeout=240)
     codes = sorted(r.status_code for r in rs)

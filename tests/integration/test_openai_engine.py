@@ -4,13 +4,12 @@ OpenAI SDK over a real uvicorn on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import orjson
 import pytest
-from support import EMBEDDED, GatewayProcess, metric_value
+from support import EMBEDDED, GatewayProcess, metric_value, wait_until
 from transformers import AutoTokenizer
 
 from engine_adapter.model import embedded_model_dir
@@ -119,10 +118,8 @@ async def test_disconnect_mid_stream_aborts_engine_request(real_gateway: Gateway
                 if got >= 3:
                     break
             assert _unfinished(real_gateway.url) >= 1  # still generating
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _unfinished(real_gateway.url) > 0:
-        await asyncio.sleep(0.1)
-    assert _unfinished(real_gateway.url) == 0
+    await wait_until(lambda: _unfinished(real_gateway.url) == 0, timeout=5, what="no unfinished engine request",
+                     interval=0.1)
 
 
 @pytest.mark.asyncio

@@ -19,13 +19,12 @@ is bench/prefix_routing.py."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from support import EMBEDDED, GatewayProcess, metric_value
+from support import EMBEDDED, GatewayProcess, metric_value, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -193,13 +192,15 @@ async def test_a_tier_keeps_each_tenant_on_its_node(
 
             async def finished(base: list[str], n: int) -> list[str]:
                 want = sum(node_total(t, "vllm:request_success_total") for t in base) + n
-                deadline = time.monotonic() + 60
-                while True:
+                texts: list[str] = []
+
+                async def counted() -> bool:
+                    nonlocal texts
                     texts = await scrape()
-                    if sum(node_total(t, "vllm:request_success_total") for t in texts) >= want:
-                        return texts
-                    assert time.monotonic() < deadline, "the nodes' engines did not count the requests"
-                    await asyncio.sleep(0.05)
+                    return sum(node_total(t, "vllm:request_success_total") for t in texts) >= want
+
+                await wait_until(counted, timeout=60, what="the nodes' engines to count the requests", interval=0.05)
+                return texts
 
             def tier_body(tenant: str, turn: str, max_tokens: int, stream: bool = False) -> dict[str, Any]:
                 return {**body(tenant, turn, max_tokens, stream), "model": "smol"}

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from support import EMBEDDED, GatewayProcess
+from support import EMBEDDED, GatewayProcess, wait_until_sync
 
 pytestmark = pytest.mark.engine
 ADMIN = {"Authorization": "Bearer sk-admin"}
@@ -24,10 +23,8 @@ def test_profile_needs_admin_key_and_writes_traces(real_gateway: GatewayProcess)
     gen = httpx.post(url + "/v1/completions", json={"model": EMBEDDED, "prompt": "Hi", "max_tokens": 4}, timeout=60)
     assert gen.status_code == 200  # the API itself needs no key on this server
     assert httpx.post(url + "/stop_profile", headers=ADMIN, timeout=120).status_code == 200
-    deadline = time.monotonic() + 30
-    traces: list[Path] = []
-    while time.monotonic() < deadline and not traces:
-        traces = sorted(profile_dir.glob("*.pt.trace.json.gz"))
-        time.sleep(0.5)
-    assert traces, list(profile_dir.iterdir())  # the engine worker's (on CPU the front end is left out)
+    # the engine worker's traces (on CPU the front end is left out)
+    wait_until_sync(lambda: any(profile_dir.glob("*.pt.trace.json.gz")), timeout=30,
+                    what=f"a trace in {profile_dir}", interval=0.5)
+    traces = sorted(profile_dir.glob("*.pt.trace.json.gz"))
     assert all(t.stat().st_size > 0 for t in traces)

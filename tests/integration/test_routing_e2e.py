@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from support import GatewayProcess, metric_value
+from support import GatewayProcess, metric_value, wait_until, wait_until_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -88,6 +88,11 @@ def own_pair(tmp_path: Path) -> Iterator[Pair]:
 MESSAGES: Any = [{"role": "user", "content": "Say something."}]
 
 
+def admin_routes(pair: Pair) -> dict[str, Any]:
+    aliases: dict[str, Any] = httpx.get(pair.url + "/admin/routes", headers=ADMIN).json()["aliases"]
+    return aliases
+
+
 async def metrics(url: str) -> str:
     async with httpx.AsyncClient(timeout=10) as c:
         return (await c.get(url + "/metrics")).text
@@ -150,21 +155,14 @@ def test_sighup_reloads_the_settings_file(pair: Pair) -> None:
     pair.routes.write_text("alias:\n  chat-prod: qwen-v2:1\n  beta: qwen-v3:1\n")
     try:
         pair.front.signal(signal.SIGHUP)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            routes = httpx.get(pair.url + "/admin/routes", headers=ADMIN).json()["aliases"]
-            if "beta" in routes:
-                break
-            time.sleep(0.1)
+        wait_until_sync(lambda: "beta" in admin_routes(pair), timeout=5, what="the reloaded routes", interval=0.1)
+        routes = admin_routes(pair)
         assert [t["model"] for t in routes["chat-prod"]["targets"]] == ["qwen-v2"]
         assert routes["chat-prod"]["fallbacks"] == [] and "beta" in routes
     finally:
         pair.routes.write_text(ROUTES)
         pair.front.signal(signal.SIGHUP)
-        deadline = time.monotonic() + 5
-        while "beta" in httpx.get(pair.url + "/admin/routes", headers=ADMIN).json()["aliases"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_until_sync(lambda: "beta" not in admin_routes(pair), timeout=5, what="the routes restored", interval=0.1)
     assert pair.front.proc.poll() is None and "SIGHUP: routes reloaded" in pair.front.log()
 
 
@@ -184,12 +182,10 @@ async def test_dead_upstream_falls_back_and_is_ejected(own_pair: Pair) -> None:
         stream = await client.chat.completions.create(model="chat-prod", messages=MESSAGES, max_tokens=3, stream=True)
         assert stream.response.headers["x-npugw-served-by"] == "qwen-v2"
         assert [c async for c in stream]
-    deadline = time.monotonic() + 5
-    while True:
-        text = await metrics(own_pair.url)
-        if metric_value(text, "npugw_upstream_up", upstream="qwen-v3") == 0 or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.2)
-    assert metric_value(text, "npugw_upstream_up", upstream="qwen-v3") == 0
+    async def ejected() -> bool:
+        return metric_value(await metrics(own_pair.url), "npugw_upstream_up", upstream="qwen-v3") == 0
+
+    await wait_until(ejected, timeout=5, what="qwen-v3 ejected", interval=0.2)
+    text = await metrics(own_pair.url)
     assert metric_value(text, "npugw_route_fallbacks_total", alias="chat-prod", reason="unavailable") >= 1
     assert metric_value(text, "npugw_route_requests_total", alias="chat-prod", target="qwen-v2", outcome="ok") >= 7

@@ -9,7 +9,6 @@ tests/e2e/test_console.py."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -205,13 +204,16 @@ async def test_usage_per_key_against_its_budget(tmp_path: Path) -> None:
             assert r.status_code == 200
         assert (await login(client, ADMIN)).status_code == 303
         window = {"from": "2000-01-01T00:00:00Z", "to": "2100-01-01T00:00:00Z"}
-        deadline = time.monotonic() + 20  # the ledger writes in batches, off the request path
-        while True:
+        body: dict[str, Any] = {}
+        rows: dict[str, Any] = {}
+
+        async def written() -> bool:  # the ledger writes in batches, off the request path
+            nonlocal body, rows
             body = (await client.get("/console/api/usage", params=window)).json()
             rows = {u["group"]: u for u in body["usage"]}
-            if ("key-1" in rows and rows["key-1"]["requests"] == 3) or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.05)
+            return "key-1" in rows and rows["key-1"]["requests"] == 3
+
+        await wait_until(written, timeout=20, what="the ledger to hold key-1's 3 requests", interval=0.05)
         assert body["ledger"] == "on"
         assert rows["key-1"]["requests"] == 3 and rows["key-1"]["completion_tokens"] == 18
         (b,) = [b for b in body["budgets"] if b["key"] == "key-1"]

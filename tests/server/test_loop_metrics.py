@@ -4,13 +4,12 @@ time (the soak benchmark and the CI leak check watch it)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
 from sim_app import running_app
-from support import metric_value
+from support import metric_value, wait_until
 
 from engine_adapter.backends.simulated import SimulatedConfig
 
@@ -19,15 +18,14 @@ async def _tasks(client: httpx.AsyncClient) -> float:
     return metric_value((await client.get("/metrics")).text, "npugw_asyncio_tasks")
 
 
-async def _poll(read: Callable[[], Awaitable[float]], ok: Callable[[float], bool], what: str) -> float:
-    deadline = time.monotonic() + 10  # a deadline for a hung test, not a timing assertion
-    while True:
-        v = await read()
-        if ok(v):
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what} (last value {v})")
-        await asyncio.sleep(0.01)
+async def _poll(read: Callable[[], Awaitable[float]], ok: Callable[[float], bool], what: str) -> None:
+    seen: list[float] = []
+
+    async def holds() -> bool:
+        seen.append(await read())
+        return ok(seen[-1])
+
+    await wait_until(holds, timeout=10, what=lambda: f"{what} (values seen: {seen[-5:]})", interval=0.01)
 
 
 @pytest.mark.asyncio

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from aiohttp import web
+from fakes import FakeNode
 from sim_app import running_app, serve
-from support import free_port, metric_value, wait_until
+from support import metric_value, wait_until
 
 from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
 from engine_adapter.backends.vllm_config import VllmConfig
@@ -274,63 +274,18 @@ def test_lora_settings_and_engine_args(tmp_path: Path) -> None:
     assert "enable_lora" not in VllmConfig(model="/m", served_model_name="m").engine_kwargs("cpu")
 
 
-class AdapterNode:
-    """An upstream node serving a base model and one LoRA adapter (its
-    /v1/models card has `parent`), answering chat streams with the model id
-    it was asked for; it records the model of every call."""
-
-    def __init__(self) -> None:
-        self.asked: list[str] = []
-        self.adapters = ["node-tuned"]
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def start(self) -> AdapterNode:
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        port = free_port()
-        await web.TCPSite(self.runner, "127.0.0.1", port).start()
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response()
-
-    async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": "node-base", "object": "model", "root": "/models/base", "parent": None, "max_model_len": 512}]
-        data += [{"id": a, "object": "model", "root": f"/adapters/{a}", "parent": "node-base"} for a in self.adapters]
-        return web.json_response({"object": "list", "data": data})
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.asked.append(body["model"])
-        text = f"from {body['model']}"
-        usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
-        if not body.get("stream"):
-            return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": body["model"],
-                                      "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                                   "finish_reason": "stop"}], "usage": usage})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        head = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": body["model"]}
-        for ev in (
-            {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
-                                  "finish_reason": None}]},
-            {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
-            {**head, "choices": [], "usage": usage},
-        ):
-            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+def adapter_node() -> FakeNode:
+    """A node serving a base model and one LoRA adapter (its card has
+    `parent`), answering with the model id it was asked for."""
+    cards = [{"id": "node-base", "object": "model", "root": "/models/base", "parent": None, "max_model_len": 512},
+             {"id": "node-tuned", "object": "model", "root": "/adapters/node-tuned", "parent": "node-base"}]
+    usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    return FakeNode(cards, words=lambda body: [f"from {body['model']}"], usage=usage, usage_always=True)
 
 
 @pytest.mark.asyncio
 async def test_upstream_adapters_are_discovered_and_passed_through_by_name() -> None:
-    node = await AdapterNode().start()
+    node = await adapter_node().start()
     try:
         s = Settings(model="none", device="cpu", upstream=[f"remote={node.url};health_interval=0.2"],
                      upstream_health_interval=0.2)
@@ -344,15 +299,15 @@ async def test_upstream_adapters_are_discovered_and_passed_through_by_name() -> 
                 "from node-tuned"
             r = await c.post("/v1/chat/completions", json={"model": "node-tuned", "stream": True, "messages": [
                 {"role": "user", "content": "hi"}]})
-            assert r.status_code == 200 and '"model": "node-tuned"' in r.text and "from node-tuned" in r.text
+            assert r.status_code == 200 and '"model":"node-tuned"' in r.text and "from node-tuned" in r.text
             r = await c.post("/v1/chat/completions", json={"model": "remote", "messages": [
                 {"role": "user", "content": "hi"}]})
-            assert r.status_code == 200 and node.asked == ["node-tuned", "node-tuned", "node-base"]
+            assert r.status_code == 200 and [c[1]["model"] for c in node.calls] == ["node-tuned", "node-tuned", "node-base"]
             text = (await c.get("/metrics")).text
             labels = {"adapter": "node-tuned", "base_model": "remote"}
             assert metric_value(text, "npugw_lora_requests_total", **labels) == 2
             assert metric_value(text, "npugw_lora_generation_tokens_total", **labels) == 4  # the node's usage
-            node.adapters = []  # the node unloads it: the gateway follows at the next checks
+            node.models.pop()  # the node unloads the adapter: the gateway follows at the next checks
             await wait_until(lambda: "node-tuned" not in app.state.gateway.models, what="the adapter to be dropped")
             r = await c.post("/v1/chat/completions", json={"model": "node-tuned", "messages": [
                 {"role": "user", "content": "hi"}]})

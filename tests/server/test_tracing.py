@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from fakes import FakeNode
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -63,50 +63,10 @@ class Receiver:
             await self.runner.cleanup()
 
 
-class Node:
-    """An upstream OpenAI-compatible node that records the headers it gets."""
-
-    def __init__(self) -> None:
-        self.headers: list[dict[str, str]] = []
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def start(self) -> Node:
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        port = free_port()
-        await web.TCPSite(self.runner, "127.0.0.1", port).start()
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "node-model", "object": "model"}]})
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        await request.read()
-        self.headers.append({k.lower(): v for k, v in request.headers.items()})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        base = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "node-model"}
-        for chunk in (
-            {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": None}]},
-            {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
-            {**base, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}},
-        ):
-            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
+async def node_saying_hi() -> FakeNode:
+    """A node that streams one word and its usage (5 in, 1 out)."""
+    usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+    return await FakeNode(words=["hi"], usage=usage, usage_always=True).start()
 
 
 @pytest_asyncio.fixture
@@ -185,7 +145,7 @@ async def test_local_request_spans_and_client_traceparent(receiver: Receiver) ->
 
 @pytest.mark.asyncio
 async def test_upstream_node_gets_the_trace_context(receiver: Receiver) -> None:
-    node = await Node().start()
+    node = await node_saying_hi()
     try:
         settings = Settings(model="none", upstream=[f"remote={node.url}"], readiness_interval=1,
                             otlp_traces_endpoint=receiver.url, access_log_format="off")
@@ -198,7 +158,7 @@ async def test_upstream_node_gets_the_trace_context(receiver: Receiver) -> None:
         await node.stop()
     root = next(s for s in receiver.spans if s.kind == Span.SPAN_KIND_SERVER)
     assert hexid(root.trace_id) == CLIENT_TRACE
-    sent = node.headers[-1]["traceparent"]
+    sent = node.calls[-1][2]["traceparent"]
     # the node continues the same trace, under the gateway's request span
     assert sent == f"00-{CLIENT_TRACE}-{hexid(root.span_id)}-01"
     kids = children(receiver.spans, root)
@@ -210,7 +170,7 @@ async def test_upstream_node_gets_the_trace_context(receiver: Receiver) -> None:
 
 @pytest.mark.asyncio
 async def test_without_tracing_the_client_traceparent_still_reaches_the_node() -> None:
-    node = await Node().start()
+    node = await node_saying_hi()
     try:
         settings = Settings(model="none", upstream=[f"remote={node.url}"], readiness_interval=1,
                             access_log_format="off")
@@ -221,7 +181,7 @@ async def test_without_tracing_the_client_traceparent_still_reaches_the_node() -
             assert r.status_code == 200
     finally:
         await node.stop()
-    assert node.headers[-1]["traceparent"] == TRACEPARENT and node.headers[-1]["tracestate"] == "k=v"
+    assert node.calls[-1][2]["traceparent"] == TRACEPARENT and node.calls[-1][2]["tracestate"] == "k=v"
 
 
 def test_protocol_choice(monkeypatch: pytest.MonkeyPatch) -> None:

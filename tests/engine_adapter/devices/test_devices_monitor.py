@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from support import wait_until
 
 from engine_adapter.devices import (
     CpuProbe,
@@ -68,13 +69,6 @@ def by_device(samples: Samples, name: str, **match: str) -> dict[str, float]:
     }
 
 
-async def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
 READING = DeviceReading("npu", "0", 10, 100, utilization=5.0, health="OK")
 
 
@@ -94,7 +88,7 @@ async def test_start_refreshes_in_background_and_stop() -> None:
     assert monitor.running
     with pytest.raises(RuntimeError, match="already started"):
         await monitor.start(0.02)
-    await wait_for(lambda: probe.calls >= 3)
+    await wait_until(lambda: probe.calls >= 3)
     assert monitor.readings == [READING]
     await monitor.stop()
     assert not monitor.running
@@ -118,7 +112,7 @@ async def test_errors_are_counted_loop_survives_stale_readings_kept() -> None:
     monitor = DeviceMonitor(probe)
     await monitor.start(0.01)
     try:
-        await wait_for(lambda: monitor.errors >= 3)
+        await wait_until(lambda: monitor.errors >= 3)
         assert monitor.running
     finally:
         await monitor.stop()
@@ -150,7 +144,7 @@ async def test_hanging_npu_smi_counts_errors_without_hanging(make_script: Script
     monitor = DeviceMonitor(NpuSmiProbe(str(make_script("exec sleep 30")), timeout=0.3), timeout=5)
     await monitor.start(0.05)
     try:
-        await wait_for(lambda: monitor.errors >= 2, timeout=10)
+        await wait_until(lambda: monitor.errors >= 2, timeout=10)
     finally:
         await monitor.stop()
     assert monitor.readings == []

@@ -294,7 +294,7 @@ def _fake_backend(free_total: list[tuple[int, int]]) -> types.SimpleNamespace:
 
 def test_torch_npu_probe_needs_torch_npu() -> None:
     with pytest.raises(RuntimeError, match="torch_npu"):
-        TorchNpuProbe()
+        TorchNpuProbe([0])
 
 
 @pytest.mark.asyncio
@@ -302,11 +302,8 @@ async def test_torch_npu_probe_with_fake_modules(monkeypatch: pytest.MonkeyPatch
     npu = _fake_backend([(10 * MIB, 64 * MIB), (60 * MIB, 64 * MIB)])
     monkeypatch.setitem(sys.modules, "torch", _fake_module("torch", npu=npu))
     monkeypatch.setitem(sys.modules, "torch_npu", _fake_module("torch_npu"))
-    readings = await TorchNpuProbe().read()
-    assert readings == [
-        DeviceReading("npu", "0", 54 * MIB, 64 * MIB),
-        DeviceReading("npu", "1", 4 * MIB, 64 * MIB),
-    ]
+    readings = await TorchNpuProbe([1]).read()  # only the device it is given: a context costs HBM
+    assert readings == [DeviceReading("npu", "1", 4 * MIB, 64 * MIB)]
 
 
 @pytest.mark.asyncio
@@ -338,6 +335,9 @@ def test_make_probe_kinds(cat_fixture_script: Script, tmp_path: Path, monkeypatc
     assert (npu.executable, npu.timeout) == (str(script), 3)
     missing = make_probe("npu", str(tmp_path / "missing"))  # no torch_npu here either
     assert isinstance(missing, NpuSmiProbe)
+    # torch_npu importable: still npu-smi, never an NPU context on every device from the gateway process
+    monkeypatch.setitem(sys.modules, "torch_npu", _fake_module("torch_npu"))
+    assert isinstance(make_probe("npu", str(tmp_path / "missing")), NpuSmiProbe)
     monkeypatch.setenv("NPUGW_DEVICE", "cpu")
     assert isinstance(make_probe("auto"), CpuProbe)
     with pytest.raises(ValueError, match="tpu"):

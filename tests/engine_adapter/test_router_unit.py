@@ -1,0 +1,144 @@
+"""engine_adapter/routing/router.py on its own: weighted and session choice,
+fallback at admission and before the first output, never after it, and the
+canary rollback. The targets are small fake pools (the `ServedPool`
+surface the router uses: `acquire` and `relays`); their leases stream what
+each test gives them."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from engine_adapter.errors import EngineError, InvalidRequest, QueueFull, ServiceUnavailable
+from engine_adapter.lease import Relayed, Tagged
+from engine_adapter.routing.metrics import RoutingMetrics
+from engine_adapter.routing.router import Router
+from engine_adapter.routing.spec import CanaryPolicy, RouteSpec
+from engine_adapter.types import EngineOutput, GenerationRequest, SamplingOptions
+
+
+def out(text: str) -> EngineOutput:
+    return EngineOutput(request_id="r", text=text, token_ids=(1,))
+
+
+class FakeLease:
+    def __init__(self, name: str, outputs: list[EngineOutput | Exception]) -> None:
+        self.served_by = name
+        self.requests: list[Any] = []
+        self.relayed = False
+        self.upstream = None
+        self.outputs = outputs
+        self.released = 0
+
+    async def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]:
+        for o in self.outputs:
+            if isinstance(o, Exception):
+                raise o
+            yield 0, [o]
+
+    async def relay(self) -> AsyncGenerator[Relayed, None]:
+        raise AssertionError("not a relay")
+        yield b""  # pragma: no cover
+
+    def release(self) -> None:
+        self.released += 1
+
+
+class FakePool:
+    """A target: refuses admission with `refuse`, else leases `outputs`."""
+
+    relays = False
+
+    def __init__(self, name: str, refuse: Exception | None = None, outputs: list[Any] | None = None) -> None:
+        self.name = name
+        self.refuse = refuse
+        self.outputs = outputs if outputs is not None else [out(name)]
+        self.leases: list[FakeLease] = []
+
+    async def acquire(self, ask: Any, session: str | None = None, model: str | None = None) -> FakeLease:
+        if self.refuse is not None:
+            raise self.refuse
+        lease = FakeLease(model or self.name, self.outputs)
+        self.leases.append(lease)
+        return lease
+
+
+def router(pools: dict[str, FakePool], targets: Sequence[tuple[str, float]], fallbacks: Sequence[str] = (),
+           policy: CanaryPolicy | None = None) -> Router:
+    spec = RouteSpec("alias", tuple(targets), tuple(fallbacks))
+    return Router(spec, pools, policy or CanaryPolicy(), RoutingMetrics(CollectorRegistry()), random.Random(0))
+
+
+def ask() -> list[GenerationRequest]:
+    return [GenerationRequest(request_id="r", model="alias", prompt_token_ids=(1, 2), sampling=SamplingOptions(max_tokens=4))]
+
+
+async def texts(lease: Any) -> list[str]:
+    return [o.text async for _, batch in lease.stream() for o in batch]
+
+
+def test_weights_split_traffic_and_a_session_sticks_to_one_target() -> None:
+    pools = {"a": FakePool("a"), "b": FakePool("b")}
+    r = router(pools, [("a", 3), ("b", 1)])
+    picks = [r.choose().name for _ in range(2000)]
+    assert 0.70 < picks.count("a") / len(picks) < 0.80  # 3:1
+    for session in ("s1", "s2", "s3", "s4"):
+        assert len({r.choose(session).name for _ in range(20)}) == 1
+    r.configure(RouteSpec("alias", (("a", 0), ("b", 1))))
+    assert {r.choose(s).name for s in ("s1", "s2", "s3", "s4")} == {"b"}
+
+
+def test_no_target_with_weight_is_unavailable() -> None:
+    r = router({"a": FakePool("a")}, [("a", 0)])
+    with pytest.raises(ServiceUnavailable):
+        r.choose()
+
+
+@pytest.mark.asyncio
+async def test_a_full_target_falls_back_at_admission() -> None:
+    pools = {"a": FakePool("a", refuse=QueueFull("full")), "b": FakePool("b")}
+    lease = await router(pools, [("a", 1)], ["b"]).acquire(ask())
+    assert lease.served_by == "b"
+    assert await texts(lease) == ["b"]
+
+
+@pytest.mark.asyncio
+async def test_a_bad_request_does_not_fall_back() -> None:
+    pools = {"a": FakePool("a", refuse=InvalidRequest("bad")), "b": FakePool("b")}
+    with pytest.raises(InvalidRequest):
+        await router(pools, [("a", 1)], ["b"]).acquire(ask())
+    assert pools["b"].leases == []
+
+
+@pytest.mark.asyncio
+async def test_failure_before_the_first_output_moves_on_but_not_after_it() -> None:
+    pools = {"a": FakePool("a", outputs=[EngineError("died")]), "b": FakePool("b")}
+    lease = await router(pools, [("a", 1)], ["b"]).acquire(ask())
+    assert await texts(lease) == ["b"]
+    assert lease.served_by == "b"
+    assert pools["a"].leases[0].released >= 1
+
+    late = {"a": FakePool("a", outputs=[out("a1"), EngineError("died")]), "b": FakePool("b")}
+    lease = await router(late, [("a", 1)], ["b"]).acquire(ask())
+    got: list[str] = []
+    with pytest.raises(EngineError):
+        async for _, batch in lease.stream():
+            got.extend(o.text for o in batch)
+    assert got == ["a1"] and late["b"].leases == []
+
+
+@pytest.mark.asyncio
+async def test_a_failing_canary_is_rolled_back_to_weight_zero() -> None:
+    policy = CanaryPolicy(window=60, min_requests=4, max_error_rate=0.5, check_every=0)
+    pools = {"main": FakePool("main"), "canary": FakePool("canary", refuse=ServiceUnavailable("down"))}
+    r = router(pools, [("main", 9), ("canary", 1)], ["main"], policy)
+    main, canary = r.targets
+    for _ in range(8):  # the canary first, as a weighted choice would sometimes have it
+        await r._admit([("canary", canary.pool, canary), ("main", main.pool, main)], 0, ask())
+    assert main.rolled_back is None
+    assert canary.rolled_back is not None and canary.effective == 0
+    assert {r.choose(f"s{i}").name for i in range(50)} == {"main"}
