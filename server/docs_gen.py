@@ -18,6 +18,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from engine_adapter import errors as kinds
 from server.settings import Settings
@@ -74,6 +76,16 @@ def _families(registry: CollectorRegistry) -> Iterator[tuple[str, str, tuple[str
             yield fam.name, fam.type, tuple(labels), fam.documentation
 
 
+class _KvEventsFamilies(Collector):
+    """The kv-events policy's families, which an app exports only while a
+    model routes on KV events."""
+
+    def collect(self) -> Iterator[Metric]:
+        from engine_adapter.routing.kv_metrics import kv_families
+
+        yield from kv_families(())
+
+
 async def _app_metrics() -> list[tuple[str, str, tuple[str, ...], str]]:
     """The registry of an app on the simulated backend, started (engines,
     device probes and the event loop's collector register at start-up), with
@@ -81,6 +93,7 @@ async def _app_metrics() -> list[tuple[str, str, tuple[str, ...], str]]:
     from engine_adapter.backends.vllm_effective import _info_gauges
     from server.app import create_app
     from server.metrics_multiproc import ProcessCollector
+    from server.state_store import StateStore
 
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings.model_validate(
@@ -90,6 +103,9 @@ async def _app_metrics() -> list[tuple[str, str, tuple[str, ...], str]]:
         registry: CollectorRegistry = app.state.registry
         _info_gauges(registry)  # vllm:cache_config_info, npugw_engine_config_info (a vLLM engine's)
         registry.register(ProcessCollector({}))  # npugw_process_http_requests (--workers N)
+        registry.register(_KvEventsFamilies())  # npugw_kv_* (--routing-policy kv-events)
+        store = StateStore("redis://127.0.0.1:6379/0", registry=registry)  # npugw_state_store_* (--state-url)
+        await store.client.aclose()  # never connected: only its metrics are read
         async with app.router.lifespan_context(app):
             return list(_families(registry))
 

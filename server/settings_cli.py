@@ -40,7 +40,7 @@ TOPICS: dict[str, tuple[str, ...]] = {
     ),
     "queue and limits": (
         "max_queue_size", "max_queue_wait", "request_timeout", "max_n", "max_request_body_bytes", "usage_",
-        "fair", "priority", "budget", "rate_", "limit",
+        "fair", "queue_", "priority", "budget", "rate_", "limit",
     ),
     "routing": (
         "routing_", "upstream", "alias", "fallback", "canary_", "kv_events", "discover", "route",
