@@ -11,10 +11,9 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-from support import free_port
+from support import free_port, wait_until_sync
 
 
 class RedisMissing(RuntimeError):
@@ -42,18 +41,17 @@ class RedisServer:
              "--dir", str(self.folder), "--logfile", str(self.folder / "redis.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + timeout
-        while True:
+        def answers() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited: {(self.folder / 'redis.log').read_text()[-2000:]}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
+                    return s.recv(16).startswith(b"+PONG")
             except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start: {(self.folder / 'redis.log').read_text()[-2000:]}")
-            time.sleep(0.05)
+                return False
+
+        wait_until_sync(answers, timeout, what=lambda: f"redis-server on :{self.port} to answer PING")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
