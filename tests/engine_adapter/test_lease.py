@@ -1,6 +1,7 @@
-"""engine_adapter/lease.py `merge` on its own: tags, interleaving, the first
-error wins, leaving early closes every stream, and held slots are released
-however it ends."""
+"""engine_adapter/lease.py on its own: `merge` (tags, interleaving, the
+first error wins, leaving early closes every stream) and PoolLease, the only
+part that gives a slot back (each run's slot when that run ends, every held
+slot however the lease ends)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 import pytest
 
 from engine_adapter.errors import EngineError
-from engine_adapter.lease import Batch, merge
+from engine_adapter.lease import Batch, PoolLease, Slot, merge
+from engine_adapter.types import GenerationRequest, SamplingOptions
 
 
 class Source:
@@ -35,51 +37,92 @@ class Source:
             self.closed = True
 
 
-def held(n: int) -> tuple[list[tuple[Any, Any]], list[Any]]:
-    slots = [object() for _ in range(n)]
-    return [(None, s) for s in slots], slots
-
-
 @pytest.mark.asyncio
-async def test_one_stream_is_tagged_and_its_slot_released() -> None:
+async def test_one_stream_is_tagged() -> None:
     src = Source([["a"], None, ["b"]])
-    h, slots = held(1)
-    released: list[Any] = []
-    got = [item async for item in merge([(3, src.run())], h, released.append)]
+    got = [item async for item in merge([(3, src.run())])]
     assert got == [(3, ["a"]), (3, None), (3, ["b"])]
-    assert released == slots and src.closed
+    assert src.closed
 
 
 @pytest.mark.asyncio
 async def test_several_streams_interleave_with_their_tags() -> None:
     a, b = Source([["a1"], 0.05, ["a2"]]), Source([["b1"], ["b2"]])
-    h, slots = held(2)
-    released: list[Any] = []
-    got = [item async for item in merge([(0, a.run()), (1, b.run())], h, released.append)]
+    got = [item async for item in merge([(0, a.run()), (1, b.run())])]
     assert sorted(got) == [(0, ["a1"]), (0, ["a2"]), (1, ["b1"]), (1, ["b2"])]
     assert got[-1] == (0, ["a2"])  # b finished while a slept
-    assert released == slots
+    assert a.closed and b.closed
 
 
 @pytest.mark.asyncio
-async def test_an_error_in_one_stream_ends_all_and_releases() -> None:
+async def test_an_error_in_one_stream_ends_all() -> None:
     a, b = Source([["a1"], 5.0, ["never"]]), Source([0.01, EngineError("died")])
-    h, slots = held(2)
-    released: list[Any] = []
     got: list[Any] = []
     with pytest.raises(EngineError, match="died"):
-        async for item in merge([(0, a.run()), (1, b.run())], h, released.append):
+        async for item in merge([(0, a.run()), (1, b.run())]):
             got.append(item)
     assert got == [(0, ["a1"])]
-    assert a.closed and b.closed and released == slots
+    assert a.closed and b.closed
 
 
 @pytest.mark.asyncio
 async def test_leaving_early_closes_every_stream() -> None:
     a, b = Source([["a1"], 5.0, ["a2"]]), Source([["b1"], 5.0, ["b2"]])
-    h, slots = held(2)
-    released: list[Any] = []
-    merged = merge([(0, a.run()), (1, b.run())], h, released.append)
+    merged = merge([(0, a.run()), (1, b.run())])
     assert (await anext(merged))[1] in (["a1"], ["b1"])
     await merged.aclose()
-    assert a.closed and b.closed and released == slots
+    assert a.closed and b.closed
+
+
+class Lease:
+    """A PoolLease over fake slots: `runs` maps a request id to its Source;
+    `released` records each slot the first time it goes back."""
+
+    def __init__(self, runs: dict[str, Source]) -> None:
+        self.runs = runs
+        self.released: list[str] = []
+        self.slots = {rid: Slot(worker=None) for rid in runs}  # type: ignore[arg-type]
+        held = [(GenerationRequest(request_id=rid, model="m", prompt_token_ids=(1, 2), sampling=SamplingOptions(max_tokens=4)), slot)
+                for rid, slot in self.slots.items()]
+        self.lease = PoolLease("m", held, self._run, self._relay, self._release)  # type: ignore[arg-type]
+        self.by_slot = {id(slot): rid for rid, slot in self.slots.items()}
+
+    def _run(self, slot: Slot, req: GenerationRequest, idle_tick: float | None) -> AsyncGenerator[Batch, None]:
+        return self.runs[req.request_id].run()
+
+    def _relay(self, slot: Slot, call: Any) -> AsyncGenerator[Any, None]:
+        raise AssertionError("not a relayed lease")
+
+    def _release(self, slot: Slot) -> None:
+        if not slot.released:
+            slot.released = True
+            self.released.append(self.by_slot[id(slot)])
+
+
+@pytest.mark.asyncio
+async def test_a_run_gives_its_slot_back_when_it_ends_not_at_the_lease_end() -> None:
+    fake = Lease({"short": Source([["s1"]]), "long": Source([["l1"], 0.05, ["l2"], 0.3])})
+    got: list[Any] = []
+    async for tag, batch in fake.lease.stream():
+        got.append((tag, batch))
+        if batch == ["l2"]:
+            assert fake.released == ["short"]  # the short run ended first; the long one still holds its slot
+    assert sorted(got) == [(0, ["s1"]), (1, ["l1"]), (1, ["l2"])]
+    assert fake.released == ["short", "long"]
+
+
+@pytest.mark.asyncio
+async def test_an_error_gives_every_slot_back() -> None:
+    fake = Lease({"a": Source([["a1"], 5.0]), "b": Source([0.01, EngineError("died")])})
+    with pytest.raises(EngineError, match="died"):
+        async for _ in fake.lease.stream():
+            pass
+    assert sorted(fake.released) == ["a", "b"]
+
+
+@pytest.mark.asyncio
+async def test_a_lease_released_before_it_streams_gives_every_slot_back() -> None:
+    fake = Lease({"a": Source([["a1"]]), "b": Source([["b1"]])})
+    fake.lease.release()
+    assert sorted(fake.released) == ["a", "b"]
+    assert [item async for item in fake.lease.stream()] == []  # nothing left to run
