@@ -1,6 +1,6 @@
 """Leases: the result of admission.
 
-`await pool.acquire(reqs)` (a WorkerPool or a Router) waits for an engine
+`await pool.acquire(ask)` (a WorkerPool or a Router) waits for an engine
 slot for each request of one client request (one per prompt), or raises a
 `GatewayError` kind (queue full, queue timeout, no live engine, draining).
 Only once it returns does the HTTP layer start its response, so every
@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from engine_adapter.errors import InvalidRequest
 from engine_adapter.tasks import cancel_and_wait
 from engine_adapter.types import EngineOutput, GenerationRequest, RelayCall, RelayUsage
 
@@ -43,6 +44,26 @@ class Ask(Protocol):
     def local(self, pool: Any, model: str) -> list[GenerationRequest]: ...
 
     def relay(self, model: str) -> RelayCall: ...
+
+
+class Prepared:
+    """An Ask of requests built before admission (a probe, a test, a route
+    that tokenized already): local engines only."""
+
+    __slots__ = ("requests",)
+
+    def __init__(self, requests: Sequence[GenerationRequest]) -> None:
+        self.requests = list(requests)
+
+    def local(self, pool: Any, model: str) -> list[GenerationRequest]:
+        return [r if r.model == model else replace(r, model=model) for r in self.requests]
+
+    def relay(self, model: str) -> RelayCall:
+        raise InvalidRequest(f"model {model!r} is passed through to its nodes")
+
+    def budget(self) -> int:
+        """Tokens reserved at admission: prompt + max_tokens x n."""
+        return sum(len(r.prompt_token_ids) + r.sampling.max_tokens * r.sampling.n for r in self.requests)
 
 
 class Lease(Protocol):

@@ -279,17 +279,12 @@ class AdapterPool:
                              param="model")
 
     async def acquire(
-        self, ask: Ask | Sequence[GenerationRequest], session: str | None = None, model: str | None = None
+        self, ask: Ask, session: str | None = None, model: str | None = None
     ) -> Lease:
         if not self.loaded:  # unloaded while the request was on its way
             raise ModelNotFound(f"The model `{self.name}` does not exist.", param="model")
         start = time.monotonic()
-        inner: Ask | list[GenerationRequest]
-        if isinstance(ask, Sequence):
-            inner = [replace(r, lora=self.ref) for r in ask]
-        else:
-            inner = _AdapterAsk(ask, self)
-        lease = await self.base.acquire(inner, session, model=model or self.name)
+        lease = await self.base.acquire(_AdapterAsk(ask, self), session, model=model or self.name)
         if self.metrics is not None:
             self.metrics.requests.labels(self.name, self.base_name).inc()
         return AdapterLease(lease, self, start)

@@ -23,9 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
-from dataclasses import replace
 
 from engine_adapter.admission import Admission
 from engine_adapter.errors import (
@@ -34,7 +33,7 @@ from engine_adapter.errors import (
     RequestTimeout,
     ShuttingDown,
 )
-from engine_adapter.lease import Ask, PoolLease, Slot
+from engine_adapter.lease import Ask, PoolLease, Prepared, Slot
 from engine_adapter.routing.policy import RouteKey, RoutingPolicy
 from engine_adapter.running import Runner
 from engine_adapter.scheduler import Policy, relay_cost, request_cost
@@ -309,7 +308,7 @@ class WorkerPool:
         return self._relays
 
     async def acquire(
-        self, ask: Ask | Sequence[GenerationRequest], session: str | None = None, model: str | None = None
+        self, ask: Ask, session: str | None = None, model: str | None = None
     ) -> PoolLease:
         """Admission: an engine slot per request of `ask` (one pass-through
         call for upstream nodes), or a `GatewayError` kind. `model`: the
@@ -317,13 +316,9 @@ class WorkerPool:
         if self.lazy and not self._started:
             await self.ensure_started()
         name = model or self.name
-        reqs: Sequence[GenerationRequest]
-        if isinstance(ask, Sequence):
-            reqs = [r if r.model == name else replace(r, model=name) for r in ask]
-        elif self.relays:
+        if self.relays:
             return await self._acquire_relay(ask.relay(name), session)
-        else:
-            reqs = ask.local(self, name)
+        reqs = ask.local(self, name)
         held: list[tuple[GenerationRequest | RelayCall, Slot]] = []
         keyed = len(self.workers) > 1
         try:
@@ -373,7 +368,7 @@ class WorkerPool:
     ) -> AsyncIterator[EngineOutput | None]:
         """Admit `req`, then its outputs one at a time (None: an idle tick).
         For probes and tests; the HTTP layer acquires and streams itself."""
-        lease = await self.acquire([req])
+        lease = await self.acquire(Prepared([req]))
         async with aclosing(lease.stream(idle_tick)) as stream:
             async for _, batch in stream:
                 if batch is None:

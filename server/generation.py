@@ -1,6 +1,6 @@
 """The generation core, shared by every endpoint that generates text.
 
-    gen = await admit(request, gw, principal, model, reqs, session)
+    gen = await admit(request, gw, principal, model, ask, session)
     return stream_response(gen, render, tail, keep_alive)   # or
     return await json_response(request, gen, build)
 
@@ -32,7 +32,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine_adapter.errors import EngineError, GatewayError
-from engine_adapter.lease import Lease
+from engine_adapter.lease import Lease, Prepared
 from engine_adapter.types import EngineOutput, GenerationRequest, RelayUsage
 from server import sse
 from server.ask import RouteAsk, engine_trace
@@ -235,19 +235,13 @@ async def admit(
     gw: Gateway,
     principal: Principal,
     model: ServedModel,
-    ask: RouteAsk | list[GenerationRequest],
+    ask: RouteAsk | Prepared,
     session: str | None,
 ) -> Generation:
     """Admission: the key's limits, then an engine slot per request (on the
     target an alias picks, in the form it takes: `ask`). Raises a
     `GatewayError` kind; returns only when the request will run."""
-    if isinstance(ask, list):
-        trace = engine_trace(forwarded(request))
-        if trace:
-            ask = [replace(r, trace_headers=trace) for r in ask]
-        budget = sum(len(r.prompt_token_ids) + r.sampling.max_tokens * r.sampling.n for r in ask)
-    else:
-        budget = ask.budget()
+    budget = ask.budget()
     ask = with_deadline(ask, ttft_deadline(request, principal))  # a bad header is a 400 here, before any limit
     note = request.scope.setdefault("state", {})
     note.update(key=principal.name, model=model.id, t_admit=time.perf_counter())
@@ -259,6 +253,13 @@ async def admit(
         raise
     note["t_admitted"] = time.perf_counter()
     return Generation(model, lease, admission, note)
+
+
+def prepared(request: Request, reqs: list[GenerationRequest]) -> Prepared:
+    """Requests a route built itself (local engines only), with the
+    request's trace context for an engine that traces itself."""
+    trace = engine_trace(forwarded(request))
+    return Prepared([replace(r, trace_headers=trace) for r in reqs] if trace else reqs)
 
 
 def _release(lease: Lease) -> None:

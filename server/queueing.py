@@ -70,11 +70,9 @@ class DeadlineAsk:
 
 
 def with_deadline(ask: Any, deadline: float | None) -> Any:
-    """`ask` (an Ask, or a list of requests) with its TTFT deadline."""
+    """`ask` with its TTFT deadline."""
     if deadline is None:
         return ask
-    if isinstance(ask, list):
-        return [replace(r, ttft_deadline=deadline) for r in ask]
     return DeadlineAsk(ask, deadline)
 
 

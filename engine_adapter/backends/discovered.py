@@ -7,7 +7,6 @@ names the model on the node, so only the URLs that list it take the call
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -98,8 +97,6 @@ class DiscoveredModel:
         raise InvalidRequest("embeddings of a remote model are passed through, not computed here")
 
     async def acquire(
-        self, ask: Ask | Sequence[GenerationRequest], session: str | None = None, model: str | None = None
+        self, ask: Ask, session: str | None = None, model: str | None = None
     ) -> Lease:
-        if isinstance(ask, Sequence):
-            raise InvalidRequest(f"model {self.name!r} is passed through to its nodes")
         return await self.base.acquire(_NodeAsk(ask, self.name), session, model=model or self.name)

@@ -35,7 +35,7 @@ from engine_adapter.errors import GatewayError, ServiceUnavailable, fallback_rea
 from engine_adapter.lease import Ask, Lease, Relayed, Request, Tagged
 from engine_adapter.routing.metrics import RoutingMetrics
 from engine_adapter.routing.spec import CanaryPolicy, RouteSpec
-from engine_adapter.types import Embedded, EmbeddingRequest, EngineStats, GenerationRequest, ModelCard, Tokenizer
+from engine_adapter.types import Embedded, EmbeddingRequest, EngineStats, ModelCard, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class ServedPool(Protocol):
     async def ensure_started(self) -> None: ...
 
     async def acquire(
-        self, ask: Ask | Sequence[GenerationRequest], session: str | None = None, model: str | None = None
+        self, ask: Ask, session: str | None = None, model: str | None = None
     ) -> Lease: ...
 
     async def embed(self, req: EmbeddingRequest, session: str | None = None) -> Embedded: ...
@@ -227,7 +227,7 @@ class Router:
 
     # ---- requests -----------------------------------------------------------
     async def acquire(
-        self, ask: Ask | Sequence[GenerationRequest], session: str | None = None, model: str | None = None
+        self, ask: Ask, session: str | None = None, model: str | None = None
     ) -> RouterLease:
         """Admission on the first target of the chain that has room."""
         chain = self.chain(session)
@@ -235,7 +235,7 @@ class Router:
         return RouterLease(self, chain, i, inner, ask)
 
     async def _admit(
-        self, chain: list[tuple[str, ServedPool, Target | None]], start: int, ask: Ask | Sequence[GenerationRequest]
+        self, chain: list[tuple[str, ServedPool, Target | None]], start: int, ask: Ask
     ) -> tuple[int, Lease]:
         for i in range(start, len(chain)):
             name, pool, _ = chain[i]
@@ -347,7 +347,7 @@ class RouterLease:
         chain: list[tuple[str, ServedPool, Target | None]],
         i: int,
         inner: Lease,
-        ask: Ask | Sequence[GenerationRequest],
+        ask: Ask,
     ) -> None:
         self._router = router
         self._chain = chain

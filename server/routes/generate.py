@@ -27,7 +27,7 @@ from engine_adapter.types import EngineOutput, GenerationRequest, SamplingOption
 from server.auth import Principal
 from server.deps import AuthDep, GatewayDep
 from server.errors import tgi_error_event
-from server.generation import Key, admit, forwarded, json_response, session_of, stream_response
+from server.generation import Key, admit, forwarded, json_response, prepared, session_of, stream_response
 from server.protocol_generate import GenerateRequest, TgiGenerateRequest, VllmGenerateRequest
 from server.relay_apis import ApiAsk, relayed_response
 from server.render import Choice
@@ -65,7 +65,7 @@ async def generate(body: GenerateRequest, request: Request, gw: GatewayDep, prin
                                       media_type="application/x-ndjson" if body.stream else "application/json",
                                       estimate=estimate_vllm)
     model, req = _vllm_request(body, gw, principal)
-    gen = await admit(request, gw, principal, model, [req], session_of(request, body.user))
+    gen = await admit(request, gw, principal, model, prepared(request, [req]), session_of(request, body.user))
     texts: dict[int, list[str]] = {i: [] for i in range(req.sampling.n)}
     prompt = body.prompt
 
@@ -222,7 +222,7 @@ async def _tgi(body: TgiGenerateRequest, request: Request, gw: Gateway, principa
         gen = await admit(request, gw, principal, target, await ask, session_of(request, None))
         return await relayed_response(request, gen, path, TgiView(gen, body), stream=stream, estimate=estimate_tgi)
     model, req = _tgi_request(body, gw, principal, stream)
-    gen = await admit(request, gw, principal, model, [req], session_of(request, None))
+    gen = await admit(request, gw, principal, model, prepared(request, [req]), session_of(request, None))
     prefix = body.inputs if p.return_full_text else ""
     top_n = bool(p.top_n_tokens)
 

@@ -26,7 +26,7 @@ from server.auth import Principal
 from server.chat_bridge import as_chat, prepare
 from server.deps import AuthDep, GatewayDep
 from server.errors import anthropic_error_event
-from server.generation import Generation, Key, admit, forwarded, json_response, session_of, stream_response
+from server.generation import Generation, Key, admit, forwarded, json_response, prepared, session_of, stream_response
 from server.protocol_anthropic import CountTokensRequest, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
 from server.relay_apis import ApiAsk, relayed_response
 from server.render import ChatDeltaView, Choice
@@ -120,7 +120,7 @@ async def create_message(body: MessagesRequest, request: Request, gw: GatewayDep
         return await relayed_response(request, gen, "/v1/messages", view, stream=body.stream)
     plan = prepare(gw, principal, chat, id_prefix="msg", priority=body.priority,
                    explicit_priority="priority" in body.model_fields_set, params=_PARAMS)
-    gen = await admit(request, gw, principal, plan.model, [plan.request], session_of(request, user))
+    gen = await admit(request, gw, principal, plan.model, prepared(request, [plan.request]), session_of(request, user))
     view = _Messages(gen, plan.tools, plan.request.request_id)
     if body.stream:
         return stream_response(gen, view.render, view.tail, gw.settings.sse_keep_alive_interval,

@@ -24,7 +24,7 @@ from engine_adapter.types import GenerationRequest
 from server.auth import Principal
 from server.chat_bridge import as_chat, prepare
 from server.deps import AuthDep, GatewayDep
-from server.generation import admit, forwarded, json_response, session_of, stream_response
+from server.generation import admit, forwarded, json_response, prepared, session_of, stream_response
 from server.protocol_responses import InputItemsQuery, ResponsesRequest
 from server.relay_apis import ApiAsk, relayed_response
 from server.routes.docs import ERRORS, JSON_OR_SSE
@@ -166,7 +166,7 @@ async def create_response(
         return await _relayed(body, request, gw, principal, store, owner, items, before, fields, chained, session)
     plan = prepare(gw, principal, chat, id_prefix="resp", priority=body.priority,
                    explicit_priority="priority" in body.model_fields_set, params=_PARAMS)
-    gen = await admit(request, gw, principal, plan.model, [plan.request], session)
+    gen = await admit(request, gw, principal, plan.model, prepared(request, [plan.request]), session)
     view = ResponsesView(gen, plan.tools, body, store, owner, items, before, plan.request.request_id)
     if body.stream:
         return stream_response(gen, view.render, view.tail, gw.settings.sse_keep_alive_interval,

@@ -12,6 +12,7 @@ from support import wait_until
 
 from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
 from engine_adapter.errors import EngineDead, QueueFull, QueueTimeout, RequestTimeout, ShuttingDown
+from engine_adapter.lease import Prepared
 from engine_adapter.pool import WorkerPool
 from engine_adapter.types import EngineOutput, GenerationRequest, ModelCard, SamplingOptions
 
@@ -36,7 +37,7 @@ def make_pool(cfg: SimulatedConfig | None = None, **kw: object) -> tuple[WorkerP
 
 async def batches(pool: WorkerPool, r: GenerationRequest) -> AsyncIterator[list[EngineOutput] | None]:
     """Admit `r`, then its outputs in batches."""
-    lease = await pool.acquire([r])
+    lease = await pool.acquire(Prepared([r]))
     try:
         async for _, batch in lease.stream():
             yield batch
@@ -67,7 +68,7 @@ async def test_full_queue_rejects_at_once() -> None:
     second = asyncio.ensure_future(drain(pool, req("b", 2)))
     await wait_until(lambda: pool.queue_depth == 1)
     with pytest.raises(QueueFull) as e:  # at once: the queue is full
-        await pool.acquire([req("c")])
+        await pool.acquire(Prepared([req("c")]))
     assert pool.queue_depth == 1 and pool.running == 1
     assert e.value.retry_after
     assert pool.counters.rejected["queue_full"] == 1

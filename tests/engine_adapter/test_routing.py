@@ -24,6 +24,7 @@ from support import free_port, wait_until
 from engine_adapter.backends.remote import build_remote_pool
 from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
 from engine_adapter.errors import EngineError, QueueFull
+from engine_adapter.lease import Prepared
 from engine_adapter.pool import WorkerPool
 from engine_adapter.routing import (
     CanaryPolicy,
@@ -91,7 +92,7 @@ class Served:
 
 
 async def run(t: RoutingTable, alias: str, rid: str, session: str | None = None, tokens: int = 2) -> Served:
-    lease = await t.routers[alias].acquire([req(rid, tokens)], session)
+    lease = await t.routers[alias].acquire(Prepared([req(rid, tokens)]), session)
     granted = lease.served_by
     try:
         outs = [o async for _, batch in lease.stream() if batch for o in batch]

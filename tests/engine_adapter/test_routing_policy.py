@@ -16,6 +16,7 @@ from support import metric_value, wait_until
 
 from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
 from engine_adapter.errors import EngineDead
+from engine_adapter.lease import Prepared
 from engine_adapter.pool import WorkerPool
 from engine_adapter.routing.policy import (
     PolicyOptions,
@@ -226,7 +227,7 @@ async def test_a_pool_sends_a_shared_prefix_to_one_worker_until_it_dies() -> Non
                       restart_backoff=(0.01, 0.01))
     pool.policy = PrefixPolicy()  # the default grain: 64-token routing blocks
     await pool.start()
-    leases = [await pool.acquire([gen(f"r{i}", prompt(i))]) for i in range(4)]
+    leases = [await pool.acquire(Prepared([gen(f"r{i}", prompt(i))])) for i in range(4)]
     busy = [w.in_flight for w in pool.workers]
     assert sorted(busy) == [0, 4]  # least outstanding would have spread them 2 and 2
     home = pool.workers[busy.index(4)]
@@ -234,7 +235,7 @@ async def test_a_pool_sends_a_shared_prefix_to_one_worker_until_it_dies() -> Non
         lease.release()
     assert pool.policy.stats.decisions["prefix_hit"] == 3
     pool._on_dead(home, EngineDead("test"))
-    other = await pool.acquire([gen("after", prompt(9))])
+    other = await pool.acquire(Prepared([gen("after", prompt(9))]))
     assert [w.in_flight for w in pool.workers if w is not home] == [1]
     other.release()
     await wait_until(lambda: home.alive, what="the worker restarted")
@@ -248,7 +249,7 @@ async def test_a_pool_sends_a_shared_prefix_to_one_worker_until_it_dies() -> Non
 async def test_the_default_pool_policy_is_least_outstanding() -> None:
     pool = WorkerPool("m", lambda i: SimulatedEngine(SimulatedConfig()), num_workers=2, readiness_interval=60)
     await pool.start()
-    leases = [await pool.acquire([gen(f"r{i}", prompt(i))], session="s") for i in range(4)]
+    leases = [await pool.acquire(Prepared([gen(f"r{i}", prompt(i))]), session="s") for i in range(4)]
     assert [w.in_flight for w in pool.workers] == [2, 2]
     for lease in leases:
         lease.release()

@@ -13,6 +13,7 @@ from support import wait_until
 
 from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
 from engine_adapter.errors import DeadlineUnmeetable, QueueTimeout, ShuttingDown
+from engine_adapter.lease import Prepared
 from engine_adapter.pool import WorkerPool
 from engine_adapter.scheduler import FairQueue, Policy, Waiter
 from engine_adapter.types import GenerationRequest, SamplingOptions
@@ -163,7 +164,7 @@ def make_pool(policy: Policy = "fair", itl: float = 0.01, **kw: object) -> Worke
 
 
 async def run(pool: WorkerPool, r: GenerationRequest, served: list[str]) -> None:
-    lease = await pool.acquire([r])
+    lease = await pool.acquire(Prepared([r]))
     served.append(r.api_key_name or "")
     try:
         async for _ in lease.stream():
@@ -194,7 +195,7 @@ async def test_a_queued_client_that_leaves_is_removed() -> None:
     served: list[str] = []
     first = asyncio.ensure_future(run(pool, req("a0", "a", max_tokens=20), served))
     await wait_until(lambda: pool.running == 1)
-    gone = asyncio.ensure_future(pool.acquire([req("b", "b")]))
+    gone = asyncio.ensure_future(pool.acquire(Prepared([req("b", "b")])))
     await wait_until(lambda: pool.queue_depth == 1)
     assert pool.queue.depth_by_tenant() == {"b": 1}
     gone.cancel()
@@ -212,7 +213,7 @@ async def test_drain_refuses_the_queue_cleanly() -> None:
     served: list[str] = []
     first = asyncio.ensure_future(run(pool, req("a0", "a", max_tokens=5), served))
     await wait_until(lambda: pool.running == 1)
-    waiting = [asyncio.ensure_future(pool.acquire([req(f"q{i}", k)])) for i, k in enumerate("abab")]
+    waiting = [asyncio.ensure_future(pool.acquire(Prepared([req(f"q{i}", k)]))) for i, k in enumerate("abab")]
     await wait_until(lambda: pool.queue_depth == 4)
     await pool.stop(timeout=5)
     results = await asyncio.gather(*waiting, return_exceptions=True)
@@ -239,7 +240,7 @@ async def test_a_deadline_the_queue_cannot_meet_is_refused_at_arrival() -> None:
     await wait_until(lambda: pool.queue_depth == 3)
     t0 = time.monotonic()
     with pytest.raises(DeadlineUnmeetable) as refused:
-        await pool.acquire([req("b", "a", ttft=t0 + 0.05)])  # behind ~90 tokens of its own key at 10 ms each
+        await pool.acquire(Prepared([req("b", "a", ttft=t0 + 0.05)]))  # behind ~90 tokens of its own key at 10 ms each
     assert time.monotonic() - t0 < 0.05 and refused.value.code == "deadline_unmeetable"
     assert refused.value.retry_after is not None and refused.value.retry_after >= 1
     assert pool.queue_depth == 3 and pool.queue_stats.refused[("a", "deadline_unmeetable")] == 1
@@ -258,7 +259,7 @@ async def test_a_queued_request_whose_deadline_passes_leaves_with_the_same_refus
     busy = asyncio.ensure_future(run(pool, req("a0", "a", max_tokens=20), served))
     await wait_until(lambda: pool.running == 1)
     with pytest.raises(DeadlineUnmeetable):
-        await pool.acquire([req("b", "b", ttft=time.monotonic() + 0.1)])
+        await pool.acquire(Prepared([req("b", "b", ttft=time.monotonic() + 0.1)]))
     assert pool.queue_depth == 0 and pool.queue_stats.refused[("b", "deadline_expired")] == 1
     # without a TTFT deadline the queue wait limit still says queue timeout
     short = make_pool(itl=0.05, max_queue_wait=0.1)
@@ -266,7 +267,7 @@ async def test_a_queued_request_whose_deadline_passes_leaves_with_the_same_refus
     hold = asyncio.ensure_future(run(short, req("x", "a", max_tokens=20), served))
     await wait_until(lambda: short.running == 1)
     with pytest.raises(QueueTimeout):
-        await short.acquire([req("y", "b")])
+        await short.acquire(Prepared([req("y", "b")]))
     await asyncio.gather(busy, hold)
     await pool.stop()
     await short.stop()
