@@ -64,7 +64,7 @@ class VllmConfig:
     # by worker index (engine_adapter/placement.py); empty: the gateway's own.
     worker_env: tuple[tuple[tuple[str, str], ...], ...] = ()
     # `--routing-policy kv-events`: the folder of each engine's private KV
-    # event sockets (kv_event_endpoints); None: the engine publishes none.
+    # event sockets (routing/kv_sources.py kv_event_endpoints); None: the engine publishes none.
     kv_events_dir: str | None = None
 
     def env_for(self, index: int) -> tuple[tuple[str, str], ...]:
@@ -123,6 +123,8 @@ class VllmConfig:
             if self.dtype == "auto":
                 kw["dtype"] = "float32" if self.runner == "pooling" else cpu_generation_dtype()
         if self.kv_events_dir is not None and self.runner != "pooling":
+            from engine_adapter.routing.kv_sources import kv_event_endpoints
+
             pub, replay = kv_event_endpoints(self.kv_events_dir, index)
             kw["enable_prefix_caching"] = True  # no prefix cache, no events
             kw["kv_events_config"] = {
@@ -130,13 +132,6 @@ class VllmConfig:
             }
         kw.update(self.extra)
         return {k: v for k, v in kw.items() if v is not None}
-
-
-def kv_event_endpoints(folder: str, index: int) -> tuple[str, str]:
-    """(PUB, replay ROUTER) endpoints of engine `index`'s KV events: IPC
-    sockets in a private folder, bound by the engine, one pair per engine;
-    a restarted engine binds the same pair again."""
-    return f"ipc://{folder}/engine-{index}.pub", f"ipc://{folder}/engine-{index}.replay"
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:

@@ -3,7 +3,7 @@ its KV cache, from vLLM's own KV events (BlockStored, BlockRemoved,
 AllBlocksCleared), instead of guessing it.
 
 Each engine publishes its events on a private ZMQ PUB socket (local
-engines: an IPC pair in a temp folder, backends/vllm_config.py
+engines: an IPC pair in a temp folder, routing/kv_sources.py
 kv_event_endpoints; nodes: their `--kv-events-config` endpoint). One
 `Subscriber` task per engine in the gateway's event loop keeps a `KvIndex`
 (routing/kv_index.py): a gap in the sequence numbers is filled from the

@@ -1,5 +1,5 @@
 """Where the kv-events policy's KV events come from: the local vLLM engines
-of a pool (private IPC sockets, backends/vllm_config.py kv_event_endpoints)
+of a pool (private IPC sockets, kv_event_endpoints)
 or an upstream's nodes (`;kv-events=PUB[|REPLAY],...` and `;kv-tokenizer=`,
 routing/upstream.py)."""
 
@@ -12,6 +12,13 @@ from typing import Any
 from engine_adapter.routing.kv_events import KvEventsPolicy, KvSource
 
 logger = logging.getLogger(__name__)
+
+
+def kv_event_endpoints(folder: str, index: int) -> tuple[str, str]:
+    """(PUB, replay ROUTER) endpoints of engine `index`'s KV events: IPC
+    sockets in a private folder, bound by the engine, one pair per engine;
+    a restarted engine binds the same pair again."""
+    return f"ipc://{folder}/engine-{index}.pub", f"ipc://{folder}/engine-{index}.replay"
 
 
 def engine_description(engine: Any) -> tuple[int, str] | None:
@@ -28,8 +35,6 @@ def local_sources(pool: Any) -> dict[int, KvSource]:
     """The KvSource of each local vLLM engine of `pool` started with KV
     events (VllmConfig.kv_events_dir), by worker index. The description is
     read from the worker's current engine (a restart replaces it)."""
-    from engine_adapter.backends.vllm_config import kv_event_endpoints
-
     out: dict[int, KvSource] = {}
     workers = getattr(pool, "workers", [])
     for w in workers:

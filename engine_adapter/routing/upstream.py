@@ -34,7 +34,7 @@ requests, each guarded by a circuit breaker (passive) and health checks
 
 - Client APIs: the first good check also reads the node's `/openapi.json`
   once, to learn which of the other client APIs it serves (Responses,
-  Messages, count_tokens, /generate, TGI; engine_adapter/backends/api_relay.py),
+  Messages, count_tokens, /generate, TGI; engine_adapter/apis.py),
   unless `;api=a,b` (or `none`) says. A request for one it lacks is sent to
   its chat or completions endpoint instead (the routes translate).
 
@@ -58,7 +58,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from engine_adapter.backends.api_relay import apis_from_openapi, parse_apis
+from engine_adapter.apis import apis_from_openapi, parse_apis
 from engine_adapter.entry import parse_entry
 from engine_adapter.errors import GatewayError, ServiceUnavailable
 from engine_adapter.routing.endpoint import Endpoint, eject, rearm
@@ -86,7 +86,7 @@ class UpstreamConfig:
     cooldown: float = 10.0
     max_model_len: int | None = None  # default: the upstream's /v1/models
     api_key_env: str | None = None  # environment variable holding the upstream key
-    api: str | None = None  # the client APIs the node serves (api_relay.API_NAMES); default: its /openapi.json
+    api: str | None = None  # the client APIs the node serves (apis.API_NAMES); default: its /openapi.json
     plain: Literal["direct", "stream"] = "direct"  # how a non-streaming client's generation is called
     slots: int | None = None  # requests one URL runs at once (a routing hint); default: its /v1/models "slots"
     # --routing-policy kv-events: each URL's KV event publisher, in URL order, `PUB[|REPLAY]` comma-separated

@@ -23,7 +23,7 @@ from fakes import FakeNode
 from sim_app import serve
 from support import metric_value
 
-from engine_adapter.backends.api_relay import apis_from_openapi
+from engine_adapter.apis import apis_from_openapi
 from server.settings import Settings
 
 ALL = ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/generate", "/generate_stream")
