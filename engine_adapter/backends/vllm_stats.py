@@ -3,17 +3,29 @@ per-step scheduler and iteration statistics (not re-counted guesses)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 if TYPE_CHECKING:
-    from engine_adapter.backends.vllm import VllmEngine
+    from engine_adapter.backends.vllm_config import VllmConfig
     from engine_adapter.metrics import EngineMetrics
 
 
+class StatsEngine(Protocol):
+    """What the stat logger reads of its engine and feeds back (a VllmEngine)."""
+
+    @property
+    def config(self) -> VllmConfig: ...
+
+    @property
+    def index(self) -> int: ...
+
+    def record_scheduler(self, running: int, waiting: int, kv: float) -> None: ...
+
+
 class GatewayStatLogger(StatLoggerBase):
-    def __init__(self, engine: VllmEngine, metrics: EngineMetrics | None) -> None:
+    def __init__(self, engine: StatsEngine, metrics: EngineMetrics | None) -> None:
         self._engine = engine
         self._metrics = metrics
         self._model = engine.config.served_model_name
@@ -74,7 +86,7 @@ class GatewayStatLogger(StatLoggerBase):
         return None
 
 
-def make_stat_logger_factory(engine: VllmEngine, metrics: EngineMetrics | None) -> Any:
+def make_stat_logger_factory(engine: StatsEngine, metrics: EngineMetrics | None) -> Any:
     def factory(vllm_config: Any, engine_index: int = 0) -> GatewayStatLogger:
         return GatewayStatLogger(engine, metrics)
 
