@@ -94,10 +94,6 @@ class Subscriber:
         import zmq
         import zmq.asyncio
 
-        if self._decode is None:  # imports vLLM (seconds in a gateway-only front): not on the event loop
-            from engine_adapter.routing.kv_index import _decoder
-
-            self._decode = await asyncio.to_thread(_decoder)
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
@@ -105,6 +101,13 @@ class Subscriber:
         sock.connect(self.source.endpoint)
         logger.info("kv-events %s: subscribed to %s", self.source.name, self.source.endpoint)
         try:
+            # Subscribed first: events published while the decoder loads wait
+            # in the socket (loaded first, a request served in those seconds
+            # stored blocks the index never heard of).
+            if self._decode is None:  # imports vLLM (seconds in a gateway-only front): not on the event loop
+                from engine_adapter.routing.kv_index import _decoder
+
+                self._decode = await asyncio.to_thread(_decoder)
             while True:
                 frames = await sock.recv_multipart()
                 try:

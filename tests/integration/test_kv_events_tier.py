@@ -79,7 +79,8 @@ def test_the_front_routes_a_repeat_to_the_node_holding_it(tier: tuple[GatewayPro
             text = c.get("/metrics").text
             return any(value(text, "npugw_kv_index_blocks", model=EMBEDDED, engine=u) >= full // 128 for u in urls)
 
-        wait_until_sync(indexed, timeout=30, what="the front's index of the serving node")
+        wait_until_sync(indexed, timeout=30, what=lambda: "the front's index of the serving node; its kv metrics: "
+                        + " | ".join(ln for ln in c.get("/metrics").text.splitlines() if ln.startswith("npugw_kv")))
         second = c.post("/v1/chat/completions", json=chat)
         assert second.status_code == 200, second.text
         assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == full
