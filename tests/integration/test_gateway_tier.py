@@ -46,23 +46,27 @@ def test_the_front_learns_the_node_model_id_and_is_ready(tier: GatewayProcess) -
 def test_chat_through_the_tier_equals_the_node(tier: GatewayProcess, real_gateway: GatewayProcess) -> None:
     via = openai.OpenAI(base_url=tier.url + "/v1", api_key="x", max_retries=0, timeout=120)
     direct = openai.OpenAI(base_url=real_gateway.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    a = via.chat.completions.create(model="smol", messages=PARIS, temperature=0, max_tokens=20)  # type: ignore[arg-type]
-    b = direct.chat.completions.create(model=EMBEDDED, messages=PARIS, temperature=0, max_tokens=20)  # type: ignore[arg-type]
-    assert a.model == "smol" and "Paris" in (a.choices[0].message.content or "")
-    assert a.choices[0].message.content == b.choices[0].message.content
-    assert a.usage is not None and b.usage is not None and a.usage.completion_tokens == b.usage.completion_tokens
-    parts = []
-    for chunk in via.chat.completions.create(model="smol", messages=PARIS, temperature=0, max_tokens=20,  # type: ignore[arg-type]
-                                             stream=True):
-        assert chunk.model == "smol"
-        parts.extend(c.delta.content or "" for c in chunk.choices)
-    assert "".join(parts) == a.choices[0].message.content
-    text = via.completions.create(model=EMBEDDED, prompt="The capital of France is", max_tokens=5, temperature=0)
-    assert text.model == EMBEDDED and text.choices[0].text
-    metrics = httpx.get(tier.url + "/metrics").text
-    assert metric_value(metrics, "npugw_api_key_tokens_total", model_name="smol", type="completion") >= (
-        a.usage.completion_tokens
-    )
+    try:
+        a = via.chat.completions.create(model="smol", messages=PARIS, temperature=0, max_tokens=20)  # type: ignore[arg-type]
+        b = direct.chat.completions.create(model=EMBEDDED, messages=PARIS, temperature=0, max_tokens=20)  # type: ignore[arg-type]
+        assert a.model == "smol" and "Paris" in (a.choices[0].message.content or "")
+        assert a.choices[0].message.content == b.choices[0].message.content
+        assert a.usage is not None and b.usage is not None and a.usage.completion_tokens == b.usage.completion_tokens
+        parts = []
+        for chunk in via.chat.completions.create(model="smol", messages=PARIS, temperature=0, max_tokens=20,  # type: ignore[arg-type]
+                                                 stream=True):
+            assert chunk.model == "smol"
+            parts.extend(c.delta.content or "" for c in chunk.choices)
+        assert "".join(parts) == a.choices[0].message.content
+        text = via.completions.create(model=EMBEDDED, prompt="The capital of France is", max_tokens=5, temperature=0)
+        assert text.model == EMBEDDED and text.choices[0].text
+        metrics = httpx.get(tier.url + "/metrics").text
+        assert metric_value(metrics, "npugw_api_key_tokens_total", model_name="smol", type="completion") >= (
+            a.usage.completion_tokens
+        )
+    finally:
+        via.close()
+        direct.close()
 
 
 def test_node_refusals_keep_their_status_through_the_tier(tier: GatewayProcess) -> None:
@@ -77,17 +81,21 @@ def test_the_other_apis_pass_through_the_tier(tier: GatewayProcess) -> None:
     import anthropic
 
     claude = anthropic.Anthropic(base_url=tier.url, api_key="x", max_retries=0, timeout=120)
-    greedy: Any = {"temperature": 0}
-    m = claude.messages.create(model="smol", max_tokens=20, messages=PARIS, extra_body=greedy)  # type: ignore[arg-type]
-    assert m.model == "smol" and "Paris" in m.content[0].text  # type: ignore[union-attr]
     via = openai.OpenAI(base_url=tier.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    r = via.responses.create(model="smol", input=PARIS[0]["content"], temperature=0, max_output_tokens=20)
-    assert r.model == "smol" and r.output_text == m.content[0].text  # type: ignore[union-attr]
-    g = httpx.post(tier.url + "/generate", json={"model": "smol", "inputs": "The capital of France is",
-                                                 "parameters": {"max_new_tokens": 5, "details": True}}, timeout=120)
-    assert g.status_code == 200 and g.json()["details"]["generated_tokens"] >= 1
-    metrics = httpx.get(tier.url + "/metrics").text
-    assert metric_value(metrics, "npugw_api_key_tokens_total", model_name="smol", type="completion") >= (
-        m.usage.output_tokens + (r.usage.output_tokens if r.usage else 0)
-    )
-    assert "client APIs: count_tokens, generate, messages, responses, tgi" in tier.log()
+    try:
+        greedy: Any = {"temperature": 0}
+        m = claude.messages.create(model="smol", max_tokens=20, messages=PARIS, extra_body=greedy)  # type: ignore[arg-type]
+        assert m.model == "smol" and "Paris" in m.content[0].text  # type: ignore[union-attr]
+        r = via.responses.create(model="smol", input=PARIS[0]["content"], temperature=0, max_output_tokens=20)
+        assert r.model == "smol" and r.output_text == m.content[0].text  # type: ignore[union-attr]
+        g = httpx.post(tier.url + "/generate", json={"model": "smol", "inputs": "The capital of France is",
+                                                     "parameters": {"max_new_tokens": 5, "details": True}}, timeout=120)
+        assert g.status_code == 200 and g.json()["details"]["generated_tokens"] >= 1
+        metrics = httpx.get(tier.url + "/metrics").text
+        assert metric_value(metrics, "npugw_api_key_tokens_total", model_name="smol", type="completion") >= (
+            m.usage.output_tokens + (r.usage.output_tokens if r.usage else 0)
+        )
+        assert "client APIs: count_tokens, generate, messages, responses, tgi" in tier.log()
+    finally:
+        claude.close()
+        via.close()
