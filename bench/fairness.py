@@ -229,6 +229,8 @@ async def run_target(target: str, args: argparse.Namespace) -> dict[str, Any]:
                                      limits=limits) as http:
             await warm(http)
             for s in args.scenarios:
+                if target == "vllm-priority" and s != "b":
+                    continue  # priorities are sent in (b) only; elsewhere it is `vllm`
                 print(f"  {target}: scenario {s}", flush=True)
                 out[s] = await SCENARIOS[s](http, args)
     return out
@@ -279,13 +281,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cpu-bind", default=None)
     ap.add_argument("--kv-cache-gib", type=int, default=1)
     ap.add_argument("--name", default="fairness")
+    ap.add_argument("--note", default="", help="the box's conditions, kept with the results")
     args = ap.parse_args(argv)
     results: dict[str, dict[str, Any]] = {}
     for t in args.targets:
         results[t] = asyncio.run(run_target(t, args))
     report(results)
     path = save_json(args.name, {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(),
-                                 "note": "shared 2-core box, other work running: noisy", "results": results})
+                                 "note": args.note, "results": results})
     print(f"\nresults: {path}")
 
 

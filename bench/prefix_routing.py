@@ -18,7 +18,11 @@ Topologies:
   processes (`--model none --upstream 'smol=URL0,URL1;slots=8'`: each node
   runs --max-num-seqs 8 at once), one per policy: the
   policy is switched by switching fronts, the engines stay up. The fronts
-  key the prompt by bytes of the request's JSON.
+  key the prompt by bytes of the request's JSON. `--fronts N` starts N
+  fronts per policy (gateway replicas, as behind nginx) and sends each
+  request to the next one in turn: each `prefix` front guesses from its own
+  share of the traffic only, while every `kv-events` front reads the same
+  engines' events.
 - `local`: two gateways with `--num-workers 2` each (one per policy; each
   engine of a pool on its own core, `--worker-cpu-bind auto`), the one
   not measured SIGSTOPped. Keys from token ids.
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -126,7 +131,7 @@ class Setup:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
         self.servers: list[Server] = []
-        self.fronts: dict[str, Server] = {}
+        self.fronts: dict[str, list[Server]] = {}
         self.nodes: list[Server] = []
         self.stopped: Server | None = None
         self.kv_events: list[str] = []  # tier: each node's `PUB|REPLAY`
@@ -153,18 +158,21 @@ class Setup:
             slots = f";slots={a.max_num_seqs}" if a.front_slots else ""
             for p in a.policies:
                 kv = f";kv-events={','.join(self.kv_events)};kv-tokenizer={MODEL_DIR}" if p == "kv-events" else ""
-                front = gateway(f"prefix_routing_front_{p}", [
-                    "--model", "none", "--upstream", f"smol={ups};model={MODEL_NAME}{slots}{kv}", "--routing-policy", p,
-                    "--max-queue-size", "512", "--max-queue-wait", "600", *policy_args(a, p)], timeout=120)
-                self.servers.append(front.start())
-                self.fronts[p] = front
+                self.fronts[p] = []
+                for i in range(a.fronts):
+                    front = gateway(f"prefix_routing_front_{p}{i}", [
+                        "--model", "none", "--upstream", f"smol={ups};model={MODEL_NAME}{slots}{kv}",
+                        "--routing-policy", p, "--max-queue-size", "512", "--max-queue-wait", "600",
+                        *policy_args(a, p)], timeout=120)
+                    self.servers.append(front.start())
+                    self.fronts[p].append(front)
         else:
             for p in a.policies:
                 gw = gateway(f"prefix_routing_local_{p}", [
                     *node_args(a), "--num-workers", "2", "--routing-policy", p,
                     "--served-model-name", "smol", *policy_args(a, p)], env={"VLLM_CPU_KVCACHE_SPACE": "1"})
                 self.servers.append(gw.start())
-                self.fronts[p] = gw
+                self.fronts[p] = [gw]
                 print(f"  {p}: 2 engines ready in {gw.start_s:.0f} s", flush=True)
                 self._pause(gw)
 
@@ -173,12 +181,12 @@ class Setup:
         self.stopped = s
 
     @contextmanager
-    def active(self, policy: str) -> Iterator[str]:
-        s = self.fronts[policy]
+    def active(self, policy: str) -> Iterator[list[str]]:
+        s = self.fronts[policy][0]
         if self.a.topology == "local":
             os.killpg(s.pid, signal.SIGCONT)
         try:
-            yield url_of(s)
+            yield [url_of(f) for f in self.fronts[policy]]
         finally:
             if self.a.topology == "local":
                 os.killpg(s.pid, signal.SIGSTOP)
@@ -186,7 +194,7 @@ class Setup:
     def engines(self, policy: str) -> list[tuple[str, str]]:
         if self.a.topology == "tier":
             return [(url_of(n), "0") for n in self.nodes]
-        return [(url_of(self.fronts[policy]), e) for e in ("0", "1")]
+        return [(url_of(self.fronts[policy][0]), e) for e in ("0", "1")]
 
     def stop(self) -> None:
         for s in self.servers:
@@ -221,12 +229,13 @@ async def cache_counters(session: aiohttp.ClientSession, engines: list[tuple[str
     return out
 
 
-async def decisions(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    text = await scrape(session, url)
-    out = {r: sample(text, "npugw_route_policy_decisions_total", reason=r)
+async def decisions(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, float]:
+    """The routing decisions of the fronts, summed."""
+    texts = [await scrape(session, url) for url in urls]
+    out = {r: sum(sample(t, "npugw_route_policy_decisions_total", reason=r) for t in texts)
            for r in ("least_outstanding", "kv_hit", "prefix_hit", "load_fallback", "no_match", "session")}
     for o in OUTCOMES:  # the kv-events index's predictions of the cached tokens
-        out[f"predicted_{o}"] = sample(text, "npugw_kv_predictions_total", outcome=o)
+        out[f"predicted_{o}"] = sum(sample(t, "npugw_kv_predictions_total", outcome=o) for t in texts)
     return out
 
 
@@ -293,11 +302,13 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], ou
         out.append(rec)
 
 
-async def drive(url: str, wl: Workload, mode: str, duration: float, rate: float, concurrency: int) -> dict[str, Any]:
+async def drive(urls: list[str], wl: Workload, mode: str, duration: float, rate: float,
+                concurrency: int) -> dict[str, Any]:
     """Open loop at `rate` req/s (fixed interval) or closed loop with
     `concurrency` clients, for `duration` s of sending; then every request
-    sent finishes (or fails)."""
+    sent finishes (or fails). Requests go to the fronts `urls` in turn."""
     recs: list[dict[str, Any]] = []
+    turn = itertools.cycle(urls)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         t0 = time.perf_counter()
@@ -307,13 +318,13 @@ async def drive(url: str, wl: Workload, mode: str, duration: float, rate: float,
             k = 0
             while (due := t0 + k / rate) < end:
                 await asyncio.sleep(max(0.0, due - time.perf_counter()))
-                tasks.append(asyncio.create_task(one(session, url, wl.body(), recs)))
+                tasks.append(asyncio.create_task(one(session, next(turn), wl.body(), recs)))
                 k += 1
             await asyncio.gather(*tasks)
         else:
             async def client() -> None:
                 while time.perf_counter() < end:
-                    await one(session, url, wl.body(), recs)
+                    await one(session, next(turn), wl.body(), recs)
 
             await asyncio.gather(*(client() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
@@ -331,10 +342,10 @@ async def drive(url: str, wl: Workload, mode: str, duration: float, rate: float,
 async def measured(setup: Setup, policy: str, wl: Workload, mode: str, rate: float) -> dict[str, Any]:
     a = setup.a
     engines = setup.engines(policy)
-    with setup.active(policy) as url:
+    with setup.active(policy) as urls:
         async with aiohttp.ClientSession() as s:
-            c0, d0 = await cache_counters(s, engines), await decisions(s, url)
-        r = await drive(url, wl, mode, a.duration, rate, a.concurrency)
+            c0, d0 = await cache_counters(s, engines), await decisions(s, urls)
+        r = await drive(urls, wl, mode, a.duration, rate, a.concurrency)
         async with aiohttp.ClientSession() as s:
             for _ in range(0 if a.smoke else 100):  # the engines' stats land just after the answers
                 c1 = await cache_counters(s, engines)
@@ -342,7 +353,7 @@ async def measured(setup: Setup, policy: str, wl: Workload, mode: str, rate: flo
                     break
                 await asyncio.sleep(0.1)
             await asyncio.sleep(1.0)  # a last engine step's stats
-            c1, d1 = await cache_counters(s, engines), await decisions(s, url)
+            c1, d1 = await cache_counters(s, engines), await decisions(s, urls)
     per = []
     for (q0, h0), (q1, h1) in zip(c0, c1, strict=True):
         per.append({"queries": q1 - q0, "hits": h1 - h0, "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else None})
@@ -443,7 +454,8 @@ def report(result: dict[str, Any], out: Path) -> None:
     p = result["params"]
     la = [r["load_average"][0] for r in result["runs"]] or [0.0]
     loads = f"{min(la):.0f}-{max(la):.0f}"
-    plot({"title": f"{' vs '.join(policies)} routing, 2 engines ({p['topology']}), medians of {p['rounds']} rounds",
+    fronts = f", {p['fronts']} fronts per policy" if p.get("fronts", 1) > 1 else ""
+    plot({"title": f"{' vs '.join(policies)} routing, 2 engines ({p['topology']}{fronts}), medians of {p['rounds']} rounds",
           "note": f"{result['machine']['date_utc']} {result['machine']['cpu_model']}, shared box (load {loads}); "
                   f"{p['duration']} s per run, c={p['concurrency']}, rate {p['rate_frac']} x capacity",
           "panels": panels}, out.with_suffix(".png"))
@@ -468,6 +480,8 @@ def main() -> None:
     ap.add_argument("--continue-frac", type=float, default=0.3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=8, help="per engine")
+    ap.add_argument("--fronts", type=int, default=1,
+                    help="tier: gateway replicas per policy, each request to the next (as behind nginx)")
     ap.add_argument("--no-front-slots", dest="front_slots", action="store_false",
                     help="tier: the fronts' upstream without ;slots=--max-num-seqs (the fronts still read "
                          "the nodes' slots from their /v1/models cards)")
