@@ -102,8 +102,30 @@ def test_index_follows_stored_removed_cleared() -> None:
     # vLLM evicts a freed request's tail blocks first: C keeps its head
     assert idx.match(hashes("D")) == 5 and idx.match(hashes("C")) == 3 and len(idx.blocks) == 8
     apply_all(idx, msgs[4:])  # AllBlocksCleared, then A stored again
-    assert idx.blocks == set(hashes("A"))
+    assert idx.blocks.keys() == set(hashes("A"))
     assert idx.received == sum(len(msgspec.msgpack.decode(f[2])[1]) for f in msgs)
+
+
+def test_a_hash_cached_in_two_blocks_is_held_until_both_go() -> None:
+    """vLLM keeps one hash in several physical blocks (a fully cached prompt
+    of exactly k blocks recomputes its last block into a second copy) and
+    publishes a BlockStored per copy and a BlockRemoved per evicted copy."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    a = META["prompts"]["A"][:5 * BS]
+    hs = BlockHasher(BS, "sha256").hashes(a)
+    first = KVEventBatch(ts=0.0, events=[BlockStored(block_hashes=hs, parent_block_hash=None, token_ids=a,
+                                                     block_size=BS, lora_id=None, medium="GPU", lora_name=None)])
+    again = KVEventBatch(ts=1.0, events=[BlockStored(block_hashes=hs[4:], parent_block_hash=hs[3],
+                                                     token_ids=a[4 * BS:], block_size=BS, lora_id=None,
+                                                     medium="GPU", lora_name=None)])
+    idx = KvIndex()
+    idx.apply(first)
+    idx.apply(again)
+    idx.apply(KVEventBatch(ts=2.0, events=[BlockRemoved(block_hashes=hs[4:], medium="GPU")]))  # one copy evicted
+    assert idx.match(hs) == 5 and len(idx.blocks) == 5
+    idx.apply(KVEventBatch(ts=3.0, events=[BlockRemoved(block_hashes=hs[4:], medium="GPU")]))
+    assert idx.match(hs) == 4 and len(idx.blocks) == 4
 
 
 def test_replay_equals_the_stream() -> None:
@@ -152,7 +174,7 @@ async def test_subscriber_replays_what_it_missed_and_sees_a_restart() -> None:
         await asyncio.sleep(0.3)
         pub.send(0)
         await wait_until(lambda: idx.drops.get("restart") == 1, what="the restart")
-        assert idx.blocks == set(hashes("A")) and idx.seq == 0
+        assert idx.blocks.keys() == set(hashes("A")) and idx.seq == 0
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     finally:
