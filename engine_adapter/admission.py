@@ -60,6 +60,7 @@ class Admission:
         self._seq = itertools.count()
         self.running_by_tenant: Counter[str] = Counter()
         self.running_by_priority: Counter[int] = Counter()
+        self._reserves = any(w.reserve for w in workers)  # --fair-reserve-slots above 0
 
     def drain(self) -> None:
         """Every queued request is refused (the server shuts down)."""
@@ -92,10 +93,11 @@ class Admission:
             if w is not None:
                 self.stats.waited(tenant, 0.0)
                 return self._grant(w, tenant, priority, cost)
-        reason = self._reserve_reason(priority, tenant)
-        if reason is not None and (w := self._reserve_worker()) is not None:
-            self.stats.waited(tenant, 0.0)
-            return self._grant(w, tenant, priority, cost, reason)
+        if self._reserves and (w := self._reserve_worker()) is not None:
+            reason = self._reserve_reason(priority, tenant)
+            if reason is not None:
+                self.stats.waited(tenant, 0.0)
+                return self._grant(w, tenant, priority, cost, reason)
         if not any(w.alive for w in self.workers):
             self.refuse(tenant, "no_worker")
             raise EngineDead(
@@ -193,7 +195,7 @@ class Admission:
             if waiter.cancelled or waiter.future.done():
                 continue
             self._start(waiter, self._pick(waiter.key) or w)
-        while self.queue and (r := self._reserve_worker()) is not None:
+        while self._reserves and self.queue and (r := self._reserve_worker()) is not None:
             head = self.queue.peek()
             if head is None:
                 break
@@ -232,7 +234,8 @@ class Admission:
         waiter.future.set_result(slot)
 
     def _reserve_worker(self) -> Worker | None:
-        """The worker with a free reserve slot and the fewest requests."""
+        """The worker with a free reserve slot and the fewest requests (the
+        routing policy's choice is for ordinary slots)."""
         best: Worker | None = None
         for w in self.workers:
             if w.reserve_free > 0 and (best is None or w.in_flight < best.in_flight):

@@ -1,8 +1,9 @@
 """The worker pool of one model: bounded queue, admission, priorities, fair
 share between keys, deadline-aware admission, dispatch and drain.
 
-A request needs a slot on a worker (at most `slots` run on one engine). Free
-slot: it runs at once on the worker the routing policy picks. Else it waits
+A request needs a slot on a worker (at most `slots` run on one engine, plus
+its reserve slots for new flows: --fair-reserve-slots). Free slot: it runs
+at once on the worker the routing policy picks. Else it waits
 in a bounded queue (engine_adapter/scheduler.py: lower `priority` first, as
 in vLLM; inside one priority, weighted fair share between API keys, or
 arrival order with the `fifo` policy). A full queue rejects at once
