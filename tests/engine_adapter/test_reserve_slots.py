@@ -170,3 +170,16 @@ async def test_a_new_key_streams_while_the_flood_still_holds_every_ordinary_slot
         t.cancel()
     await asyncio.gather(*flood, return_exceptions=True)
     await pool.stop()
+
+
+def test_peek_is_the_next_pop_and_queued_counts_a_keys_waiters_in_every_priority() -> None:
+    from engine_adapter.scheduler import FairQueue, Waiter
+
+    q = FairQueue("fair", quantum=1)
+    for seq, (tenant, prio, cost) in enumerate([("a", 5, 7), ("a", 5, 7), ("b", 5, 30), ("a", 0, 7), ("c", 5, 1)]):
+        q.push(Waiter(prio, seq, None, tenant=tenant, cost=cost), running=tenant == "a")  # type: ignore[arg-type]
+    assert (q.queued("a"), q.queued("b"), q.queued("z"), q.best_priority()) == (3, 1, 0, 0)
+    while q:
+        nxt = q.peek()
+        assert nxt is not None and q.pop() is nxt
+    assert q.peek() is None and q.best_priority() is None
