@@ -19,7 +19,12 @@ from support import EMBEDDING, GatewayProcess
 # The gateway's databases (the usage ledger is on by default, stored
 # responses) go to a folder of this test run, not the user's cache: apps
 # built with Settings() and gateway processes (they inherit the environment).
+# pytest-xdist's workers inherit the controller's folder: each takes its own
+# subfolder, so no two processes share one SQLite file.
 os.environ.setdefault("NPUGW_DATA_DIR", tempfile.mkdtemp(prefix="npugw-test-data-"))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["NPUGW_DATA_DIR"] = os.path.join(os.environ["NPUGW_DATA_DIR"], os.environ["PYTEST_XDIST_WORKER"])
+    os.makedirs(os.environ["NPUGW_DATA_DIR"], exist_ok=True)
 
 # Limits chosen so one shared engine serves every engine test: 8 running per
 # engine, 32 waiting; readiness probes off the hot path for exact counters.

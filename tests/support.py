@@ -29,15 +29,30 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def _port_range() -> tuple[int, int]:
+    """The 12000 ports below the ephemeral range; under pytest-xdist each
+    worker takes its own slice, so two workers never pick the same port
+    between probing it and binding it (`_given` is per process)."""
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2:
+        return low, high
+    index = int(worker[2:])
+    width = (high - low) // count
+    return low + index * width, low + (index + 1) * width
+
+
 def free_port() -> int:
     """A free port below the kernel's ephemeral range, never handed out
     twice in this process. A port bound to 0 comes from that range, where
     any outgoing connection made before the server binds it (an engine's,
     a health check's) can take it as its local port: a gateway then failed
     to start in CI with "address already in use" after its engines were up."""
-    low = _ephemeral_low()
+    lo, hi = _port_range()
     for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low)
+        port = random.randrange(lo, hi)
         if port in _given:
             continue
         with socket.socket() as s:

@@ -172,6 +172,13 @@ class Dist:
 
 @functools.cache
 def dist(kind: str, name: str, version: str) -> Dist:
-    """kind: 'wheel' or 'sdist'."""
-    path = fetch_wheel(name, version) if kind == "wheel" else fetch_sdist(name, version)
+    """kind: 'wheel' or 'sdist'. One process fetches at a time (an exclusive
+    lock on the cache): `pip download` writes the wheel under its final name
+    as it goes, which another test process (a pytest-xdist worker) would
+    read half-written."""
+    import fcntl
+
+    with open(cache_dir() / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = fetch_wheel(name, version) if kind == "wheel" else fetch_sdist(name, version)
     return Dist(path)

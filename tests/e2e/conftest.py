@@ -23,6 +23,7 @@ if str(DEPLOY_TESTS) not in sys.path:
     sys.path.insert(0, str(DEPLOY_TESTS))
 
 import deploy_services  # noqa: E402
+from pg_server import PostgresMissing, PostgresServer  # noqa: E402
 
 # Real gateway processes on the simulated engine (the engine behind them is
 # not what these tests are about).
@@ -102,3 +103,18 @@ def prometheus_server(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess
     yield start
     for proc in procs:
         deploy_services.stop_process(proc, signal.SIGTERM)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """One real PostgreSQL for the session's e2e tests (initdb once); each
+    test or module makes its own database on it (`new_database`)."""
+    try:
+        pg = PostgresServer()
+    except PostgresMissing as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        pg.init()
+        yield pg
+    finally:
+        pg.destroy()

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import yaml
-from pg_server import PostgresMissing, PostgresServer
+from pg_server import PostgresServer
 from support import GatewayProcess, wait_until_sync
 
 from server.auth import sha256_hex
@@ -24,16 +24,11 @@ BOB = {"Authorization": "Bearer sk-bob"}
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[GatewayProcess]]:
+def replicas(postgres: PostgresServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[GatewayProcess]]:
     tmp = tmp_path_factory.mktemp("responses-pg")
-    try:
-        pg = PostgresServer()
-    except PostgresMissing as e:
-        pytest.fail(str(e), pytrace=False)
     started: list[GatewayProcess] = []
     try:
-        pg.init()
-        url = pg.new_database("responses_" + os.urandom(3).hex())
+        url = postgres.new_database("responses_" + os.urandom(3).hex())
         keys = tmp / "keys.yaml"
         keys.write_text(yaml.safe_dump({"keys": [
             {"name": "alice", "sha256": sha256_hex("sk-alice")}, {"name": "bob", "sha256": sha256_hex("sk-bob")},
@@ -51,7 +46,6 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[GatewayP
     finally:
         for gw in started:
             gw.stop()
-        pg.destroy()
 
 
 def test_each_replica_reads_and_continues_the_others_responses(replicas: list[GatewayProcess]) -> None:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import yaml
-from pg_server import PostgresMissing, PostgresServer
+from pg_server import PostgresServer
 from support import GatewayProcess, metric_value, wait_until_sync
 
 from server.auth import sha256_hex
@@ -27,19 +27,6 @@ CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_to
 ADMIN = {"Authorization": "Bearer sk-admin"}
 ALICE = {"Authorization": "Bearer sk-alice"}
 BOB = {"Authorization": "Bearer sk-bob"}
-
-
-@pytest.fixture(scope="session")
-def postgres() -> Iterator[PostgresServer]:
-    try:
-        pg = PostgresServer()
-    except PostgresMissing as e:
-        pytest.fail(str(e), pytrace=False)
-    try:
-        pg.init()
-        yield pg
-    finally:
-        pg.destroy()
 
 
 @pytest.fixture

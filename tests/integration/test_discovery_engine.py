@@ -1,10 +1,12 @@
 """A gateway-only front in front of a real default node (`npu-gateway
-serve` with no flags but limits: SmolLM2 and the embedding model), with no
-extra flags: `--upstream URL` serves both models under the node's ids, and
-`--upstream remote=URL` sends chat to the generator and /v1/embeddings to
-the embedding model (the node's cards say which is which). A model added
-to the node (a restart with `--extra-model`) is picked up; while the node is
-down, a refusal names the cause. One node for the module."""
+serve` with no flags but limits: SmolLM2 and the embedding model; the
+session's real gateway, whose engines are already up), with no extra flags:
+`--upstream URL` serves both models under the node's ids, and `--upstream
+remote=URL` sends chat to the generator and /v1/embeddings to the embedding
+model (the node's cards say which is which). A model added to a node (a
+restart with `--extra-model`) is picked up; while the node is down, a
+refusal names the cause: that test stops its node, so it has its own node
+(the generator only) and front."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from support import EMBEDDED, EMBEDDING, GatewayProcess, wait_until_sync
 pytestmark = pytest.mark.engine
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 NODE_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "4", "--seed", "0", "--readiness-interval", "3600",
-             "--embedding-start", "eager"]
+             "--embedding-model", "none"]
+FRONT_ARGS = ["--model", "none", "--upstream-health-interval", "0.5"]
 
 
 def node_on(port: int | None, extra: list[str], log: Path) -> GatewayProcess:
@@ -31,16 +34,32 @@ def node_on(port: int | None, extra: list[str], log: Path) -> GatewayProcess:
     return node
 
 
+def front_of(node: GatewayProcess, log: Path) -> GatewayProcess:
+    front = GatewayProcess([*FRONT_ARGS, "--upstream", node.url, "--upstream", f"remote={node.url}"], log)
+    try:
+        front.wait_ready(60)
+    except BaseException:
+        front.stop()
+        raise
+    return front
+
+
 @pytest.fixture(scope="module")
-def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, GatewayProcess]]:
-    tmp = tmp_path_factory.mktemp("discovery")
-    procs = {"node": node_on(None, [], tmp / "node.log")}
+def tier(real_gateway: GatewayProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, GatewayProcess]]:
+    front = front_of(real_gateway, tmp_path_factory.mktemp("discovery") / "front.log")
+    try:
+        yield {"node": real_gateway, "front": front}
+    finally:
+        front.stop()
+
+
+@pytest.fixture
+def own_tier(tmp_path: Path) -> Iterator[dict[str, GatewayProcess]]:
+    """A node of this test's own (it is stopped and restarted) and its front."""
+    procs = {"node": node_on(None, [], tmp_path / "node.log")}
     try:
         procs["node"].wait_ready(420)
-        procs["front"] = GatewayProcess(["--model", "none", "--upstream", procs["node"].url,
-                                         "--upstream", f"remote={procs['node'].url}",
-                                         "--upstream-health-interval", "0.5"], tmp / "front.log")
-        procs["front"].wait_ready(60)
+        procs["front"] = front_of(procs["node"], tmp_path / "front.log")
         yield procs
     finally:
         for p in procs.values():
@@ -91,9 +110,10 @@ def test_a_named_upstream_sends_each_api_to_the_model_that_serves_it(tier: dict[
 
 
 def test_a_model_added_to_the_node_is_picked_up_and_a_down_node_is_named(
-    tier: dict[str, GatewayProcess], tmp_path: Path
+    own_tier: dict[str, GatewayProcess], tmp_path: Path
 ) -> None:
-    """Runs last: it restarts the node with one more model."""
+    """Stops its node, then restarts it with one more model."""
+    tier = own_tier
     node, front = tier["node"], tier["front"]
     port = node.port
     node.stop()
