@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import os
 import random
 import sys
 import tempfile
@@ -298,13 +299,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--note", default="", help="the box's conditions, kept with the results")
     args = ap.parse_args(argv)
     results: dict[str, dict[str, Any]] = {}
+    load: dict[str, list[float]] = {}
+
+    def save() -> Path:
+        return save_json(args.name, {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(),
+                                     "note": args.note, "labels": {t: label(t, args) for t in results},
+                                     "load_avg_1m": load, "results": results})
+
     for t in args.targets:
+        before = os.getloadavg()[0]
         results[t] = asyncio.run(run_target(t, args))
+        load[t] = [round(before, 1), round(os.getloadavg()[0], 1)]  # the box's load at the target's start, end
+        save()  # each finished target is kept, should a later one fail
     report(results, args)
-    path = save_json(args.name, {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(),
-                                 "note": args.note, "labels": {t: label(t, args) for t in results},
-                                 "results": results})
-    print(f"\nresults: {path}")
+    print(f"\nresults: {save()}")
 
 
 if __name__ == "__main__":
