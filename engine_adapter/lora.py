@@ -28,7 +28,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from engine_adapter.errors import InvalidRequest, ModelNotFound
-from engine_adapter.lease import Ask, Lease, Relayed, Request, Tagged
+from engine_adapter.lease import Ask, LocalLease, Relayed, RelayLease, Tagged
 from engine_adapter.types import (
     Embedded,
     EmbeddingRequest,
@@ -280,22 +280,28 @@ class AdapterPool:
 
     async def acquire(
         self, ask: Ask, session: str | None = None, model: str | None = None
-    ) -> Lease:
+    ) -> AdapterLease | AdapterRelayLease:
         if not self.loaded:  # unloaded while the request was on its way
             raise ModelNotFound(f"The model `{self.name}` does not exist.", param="model")
         start = time.monotonic()
         lease = await self.base.acquire(_AdapterAsk(ask, self), session, model=model or self.name)
         if self.metrics is not None:
             self.metrics.requests.labels(self.name, self.base_name).inc()
+        if isinstance(lease, RelayLease):
+            return AdapterRelayLease(lease, self, start)
         return AdapterLease(lease, self, start)
 
 
-class AdapterLease:
-    """The base pool's lease, counted for the adapter's metrics."""
+def _labels(pool: AdapterPool) -> tuple[str, str] | None:
+    return (pool.name, pool.base_name) if pool.metrics is not None else None
+
+
+class AdapterLease(LocalLease):
+    """The base pool's local lease, counted for the adapter's metrics."""
 
     __slots__ = ("_inner", "_pool", "_start")
 
-    def __init__(self, inner: Lease, pool: AdapterPool, start: float) -> None:
+    def __init__(self, inner: LocalLease, pool: AdapterPool, start: float) -> None:
         self._inner = inner
         self._pool = pool
         self._start = start
@@ -305,30 +311,17 @@ class AdapterLease:
         return self._inner.served_by
 
     @property
-    def requests(self) -> Sequence[Request]:
+    def requests(self) -> Sequence[GenerationRequest]:
         return self._inner.requests
 
-    @property
-    def relayed(self) -> bool:
-        return self._inner.relayed
-
-    @property
-    def upstream(self) -> str | None:
-        return self._inner.upstream
-
-    def _labels(self) -> tuple[str, str] | None:
-        p = self._pool
-        return (p.name, p.base_name) if p.metrics is not None else None
-
     async def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]:
-        m, labels = self._pool.metrics, self._labels()
+        m, labels = self._pool.metrics, _labels(self._pool)
         if m is None or labels is None:
             async with aclosing(self._inner.stream(idle_tick)) as plain:
                 async for item in plain:
                     yield item
             return
-        prompt = sum(len(r.prompt_token_ids) for r in self._inner.requests if isinstance(r, GenerationRequest))
-        m.prompt_tokens.labels(*labels).inc(prompt)
+        m.prompt_tokens.labels(*labels).inc(sum(len(r.prompt_token_ids) for r in self._inner.requests))
         first = True
         gen = m.generation_tokens.labels(*labels)
         async with aclosing(self._inner.stream(idle_tick)) as stream:
@@ -340,8 +333,35 @@ class AdapterLease:
                     gen.inc(sum(len(o.token_ids) for o in batch))
                 yield tag, batch
 
+    def release(self) -> None:
+        self._inner.release()
+
+
+class AdapterRelayLease(RelayLease):
+    """The base pool's relay lease (nodes that serve the adapter by name),
+    counted for the adapter's metrics from the usage the node reports."""
+
+    __slots__ = ("_inner", "_pool", "_start")
+
+    def __init__(self, inner: RelayLease, pool: AdapterPool, start: float) -> None:
+        self._inner = inner
+        self._pool = pool
+        self._start = start
+
+    @property
+    def served_by(self) -> str:
+        return self._inner.served_by
+
+    @property
+    def call(self) -> RelayCall:
+        return self._inner.call
+
+    @property
+    def upstream(self) -> str | None:
+        return self._inner.upstream
+
     async def relay(self) -> AsyncGenerator[Relayed, None]:
-        m, labels = self._pool.metrics, self._labels()
+        m, labels = self._pool.metrics, _labels(self._pool)
         first = True
         async with aclosing(self._inner.relay()) as items:
             async for item in items:
