@@ -13,7 +13,16 @@ from engine_adapter.types import EngineOutput, GenerationRequest
 from server import sse
 from server.ask import RouteAsk
 from server.deps import AuthDep, GatewayDep
-from server.generation import Generation, Key, admit, forwarded, json_response, session_of, stream_response
+from server.generation import (
+    Generation,
+    Key,
+    RelayGeneration,
+    admit,
+    forwarded,
+    json_response,
+    session_of,
+    stream_response,
+)
 from server.protocol import CompletionRequest
 from server.relay import relay_response
 from server.render import Choice, CompletionLogprobs, finish
@@ -45,7 +54,7 @@ async def create_completion(
     if not model.pool.relays:
         ask.local(model.pool, model.id)  # a bad request is a 400 before admission
     gen = await admit(request, gw, principal, model, ask, session_of(request, body.user))
-    if gen.relayed:
+    if isinstance(gen, RelayGeneration):
         return await relay_response(request, gen)
     view = _Completions(model, gen, rid, body)
     if body.stream:
