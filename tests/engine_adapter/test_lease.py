@@ -84,14 +84,11 @@ class Lease:
         self.slots = {rid: Slot(worker=None) for rid in runs}  # type: ignore[arg-type]
         held = [(GenerationRequest(request_id=rid, model="m", prompt_token_ids=(1, 2), sampling=SamplingOptions(max_tokens=4)), slot)
                 for rid, slot in self.slots.items()]
-        self.lease = PoolLease("m", held, self._run, self._relay, self._release)  # type: ignore[arg-type]
+        self.lease = PoolLease("m", held, self._run, self._release)
         self.by_slot = {id(slot): rid for rid, slot in self.slots.items()}
 
     def _run(self, slot: Slot, req: GenerationRequest, idle_tick: float | None) -> AsyncGenerator[Batch, None]:
         return self.runs[req.request_id].run()
-
-    def _relay(self, slot: Slot, call: Any) -> AsyncGenerator[Any, None]:
-        raise AssertionError("not a relayed lease")
 
     def _release(self, slot: Slot) -> None:
         if not slot.released:

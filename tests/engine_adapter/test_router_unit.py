@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from engine_adapter.errors import EngineError, InvalidRequest, QueueFull, ServiceUnavailable
-from engine_adapter.lease import Relayed, Tagged
+from engine_adapter.lease import LocalLease, Tagged
 from engine_adapter.routing.metrics import RoutingMetrics
 from engine_adapter.routing.router import Router
 from engine_adapter.routing.spec import CanaryPolicy, RouteSpec
@@ -25,24 +25,25 @@ def out(text: str) -> EngineOutput:
     return EngineOutput(request_id="r", text=text, token_ids=(1,))
 
 
-class FakeLease:
+class FakeLease(LocalLease):
     def __init__(self, name: str, outputs: list[EngineOutput | Exception]) -> None:
-        self.served_by = name
-        self.requests: list[Any] = []
-        self.relayed = False
-        self.upstream = None
+        self.name = name
         self.outputs = outputs
         self.released = 0
+
+    @property
+    def served_by(self) -> str:
+        return self.name
+
+    @property
+    def requests(self) -> list[GenerationRequest]:
+        return []
 
     async def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]:
         for o in self.outputs:
             if isinstance(o, Exception):
                 raise o
             yield 0, [o]
-
-    async def relay(self) -> AsyncGenerator[Relayed, None]:
-        raise AssertionError("not a relay")
-        yield b""  # pragma: no cover
 
     def release(self) -> None:
         self.released += 1
