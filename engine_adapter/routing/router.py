@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from engine_adapter.errors import GatewayError, ServiceUnavailable, fallback_reason, target_failed
 from engine_adapter.lease import Ask, Lease, LocalLease, Relayed, RelayLease, Tagged
@@ -46,6 +46,7 @@ from engine_adapter.types import (
 )
 
 logger = logging.getLogger(__name__)
+L = TypeVar("L", LocalLease, RelayLease)
 
 
 class ServedPool(Protocol):
@@ -359,11 +360,18 @@ class _Moves:
     def served_by(self) -> str:
         return self._chain[self._i][0]
 
-    async def _next(self, e: GatewayError, deadline: float, first: float | None) -> Lease:
+    async def _next(self, e: GatewayError, deadline: float, first: float | None, kind: type[L]) -> L:
         """Target `_i` failed with `e`: record it, then admission on the next
-        target that has room (raises `e` unless the request may move on)."""
+        target that has room (raises `e` unless the request may move on). A
+        lease never changes kind: a next target of the other kind is given
+        back and `e` stands. (`kind` is an abstract class, which mypy flags
+        at the call: python/mypy#4717.)"""
         self._router._failed(self._chain, self._i, e, deadline, first)
-        self._i, inner = await self._router._admit(self._chain, self._i + 1, self._ask)
+        i, inner = await self._router._admit(self._chain, self._i + 1, self._ask)
+        if not isinstance(inner, kind):
+            inner.release()
+            raise e from None
+        self._i = i
         return inner
 
 
@@ -403,11 +411,7 @@ class RouterLocalLease(_Moves, LocalLease):
             except GatewayError as e:
                 inner.release()
                 deadline = min((r.deadline for r in inner.requests if r.deadline is not None), default=math.inf)
-                moved = await self._next(e, deadline, ttft)
-                if not isinstance(moved, LocalLease):
-                    moved.release()
-                    raise e from None
-                self._inner = moved
+                self._inner = await self._next(e, deadline, ttft, LocalLease)  # type: ignore[type-abstract]
                 continue
             except BaseException:
                 inner.release()
@@ -458,11 +462,7 @@ class RouterRelayLease(_Moves, RelayLease):
             except GatewayError as e:
                 inner.release()
                 deadline = inner.call.deadline if inner.call.deadline is not None else math.inf
-                moved = await self._next(e, deadline, ttfb)
-                if not isinstance(moved, RelayLease):
-                    moved.release()
-                    raise e from None
-                self._inner = moved
+                self._inner = await self._next(e, deadline, ttfb, RelayLease)  # type: ignore[type-abstract]
                 continue
             except BaseException:
                 inner.release()
