@@ -77,14 +77,24 @@ class Prepared:
         return sum(len(r.prompt_token_ids) + r.sampling.max_tokens * r.sampling.n for r in self.requests)
 
 
-class LocalLease(ABC):
-    """Slots on local engines, one per request (see the module's doc)."""
+class Held(ABC):
+    """What both kinds of lease are: admitted on a served model
+    (`served_by`), given back with `release()`."""
 
     __slots__ = ()
 
     @property
     @abstractmethod
     def served_by(self) -> str: ...
+
+    @abstractmethod
+    def release(self) -> None: ...
+
+
+class LocalLease(Held):
+    """Slots on local engines, one per request (see the module's doc)."""
+
+    __slots__ = ()
 
     @property
     @abstractmethod
@@ -93,19 +103,12 @@ class LocalLease(ABC):
     @abstractmethod
     def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]: ...
 
-    @abstractmethod
-    def release(self) -> None: ...
 
-
-class RelayLease(ABC):
+class RelayLease(Held):
     """One call passed through to an upstream node that accepted it (see
     the module's doc)."""
 
     __slots__ = ()
-
-    @property
-    @abstractmethod
-    def served_by(self) -> str: ...
 
     @property
     @abstractmethod
@@ -118,9 +121,6 @@ class RelayLease(ABC):
 
     @abstractmethod
     def relay(self) -> AsyncGenerator[Relayed, None]: ...
-
-    @abstractmethod
-    def release(self) -> None: ...
 
 
 Lease = LocalLease | RelayLease

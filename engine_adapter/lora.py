@@ -23,7 +23,7 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -44,6 +44,7 @@ from engine_adapter.types import (
 # vLLM's MaxLoRARanks (vllm/config/lora.py): the ranks --max-lora-rank takes.
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
+L = TypeVar("L", LocalLease, RelayLease)  # a lease kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,12 +297,13 @@ def _labels(pool: AdapterPool) -> tuple[str, str] | None:
     return (pool.name, pool.base_name) if pool.metrics is not None else None
 
 
-class AdapterLease(LocalLease):
-    """The base pool's local lease, counted for the adapter's metrics."""
+class _Counted(Generic[L]):
+    """The base pool's lease (`inner`), counted for the adapter's metrics."""
 
     __slots__ = ("_inner", "_pool", "_start")
+    _inner: L
 
-    def __init__(self, inner: LocalLease, pool: AdapterPool, start: float) -> None:
+    def __init__(self, inner: L, pool: AdapterPool, start: float) -> None:
         self._inner = inner
         self._pool = pool
         self._start = start
@@ -309,6 +311,15 @@ class AdapterLease(LocalLease):
     @property
     def served_by(self) -> str:
         return self._inner.served_by
+
+    def release(self) -> None:
+        self._inner.release()
+
+
+class AdapterLease(_Counted[LocalLease], LocalLease):
+    """The base pool's local lease: tokens and TTFT counted as they come."""
+
+    __slots__ = ()
 
     @property
     def requests(self) -> Sequence[GenerationRequest]:
@@ -333,24 +344,12 @@ class AdapterLease(LocalLease):
                     gen.inc(sum(len(o.token_ids) for o in batch))
                 yield tag, batch
 
-    def release(self) -> None:
-        self._inner.release()
 
+class AdapterRelayLease(_Counted[RelayLease], RelayLease):
+    """The base pool's relay lease (nodes that serve the adapter by name):
+    counted from the usage the node reports."""
 
-class AdapterRelayLease(RelayLease):
-    """The base pool's relay lease (nodes that serve the adapter by name),
-    counted for the adapter's metrics from the usage the node reports."""
-
-    __slots__ = ("_inner", "_pool", "_start")
-
-    def __init__(self, inner: RelayLease, pool: AdapterPool, start: float) -> None:
-        self._inner = inner
-        self._pool = pool
-        self._start = start
-
-    @property
-    def served_by(self) -> str:
-        return self._inner.served_by
+    __slots__ = ()
 
     @property
     def call(self) -> RelayCall:
@@ -373,6 +372,3 @@ class AdapterRelayLease(RelayLease):
                         first = False
                         m.ttft.labels(*labels).observe(time.monotonic() - self._start)
                 yield item
-
-    def release(self) -> None:
-        self._inner.release()

@@ -46,13 +46,12 @@ from server.disconnect import until_disconnect, watched
 from server.errors import error_event, error_response
 from server.limits import Admission
 from server.queueing import ttft_deadline, with_deadline
-from server.render import Choice, usage
+from server.render import Choice, Key, usage
 from server.state import Gateway, ServedModel
 
 logger = logging.getLogger(__name__)
 
 SERVED_BY = "x-npugw-served-by"
-Key = tuple[int, int]  # (prompt, choice index)
 L = TypeVar("L", LocalLease, RelayLease)
 
 

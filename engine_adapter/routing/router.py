@@ -29,21 +29,16 @@ from collections import deque
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from engine_adapter.errors import GatewayError, ServiceUnavailable, fallback_reason, target_failed
 from engine_adapter.lease import Ask, Lease, LocalLease, Relayed, RelayLease, Tagged
 from engine_adapter.routing.metrics import RoutingMetrics
 from engine_adapter.routing.spec import CanaryPolicy, RouteSpec
-from engine_adapter.types import (
-    Embedded,
-    EmbeddingRequest,
-    EngineStats,
-    GenerationRequest,
-    ModelCard,
-    RelayCall,
-    Tokenizer,
-)
+from engine_adapter.types import Embedded, EmbeddingRequest, EngineStats, ModelCard, Tokenizer
+
+if TYPE_CHECKING:
+    from engine_adapter.types import GenerationRequest, RelayCall
 
 logger = logging.getLogger(__name__)
 L = TypeVar("L", LocalLease, RelayLease)

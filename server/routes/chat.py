@@ -15,19 +15,10 @@ from server.ask import RouteAsk
 from server.auth import Principal
 from server.chat_bridge import chat_requests
 from server.deps import AuthDep, GatewayDep
-from server.generation import (
-    Generation,
-    Key,
-    RelayGeneration,
-    admit,
-    forwarded,
-    json_response,
-    session_of,
-    stream_response,
-)
+from server.generation import Generation, RelayGeneration, admit, forwarded, json_response, session_of, stream_response
 from server.protocol import ChatCompletionRequest
 from server.relay import relay_response
-from server.render import Choice, chat_logprobs, finish
+from server.render import Choice, Key, chat_logprobs, finish
 from server.routes.docs import JSON_OR_SSE
 from server.state import Gateway
 from server.tools import ToolPlan

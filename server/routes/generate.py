@@ -27,19 +27,10 @@ from engine_adapter.types import EngineOutput, GenerationRequest, SamplingOption
 from server.auth import Principal
 from server.deps import AuthDep, GatewayDep
 from server.errors import tgi_error_event
-from server.generation import (
-    Key,
-    admit_local,
-    admit_relay,
-    forwarded,
-    json_response,
-    prepared,
-    session_of,
-    stream_response,
-)
+from server.generation import admit_local, admit_relay, forwarded, json_response, prepared, session_of, stream_response
 from server.protocol_generate import GenerateRequest, TgiGenerateRequest, VllmGenerateRequest
 from server.relay_apis import ApiAsk, relayed_response
-from server.render import Choice
+from server.render import Choice, Key
 from server.routes.generate_relay import TgiView, VllmView, estimate_tgi, estimate_vllm, tgi_completion, vllm_completion
 from server.state import Gateway, ServedModel
 from server.validation import budget, deadline_after, new_id, sampling_options

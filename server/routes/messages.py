@@ -25,7 +25,6 @@ from server.deps import AuthDep, GatewayDep
 from server.errors import anthropic_error_event
 from server.generation import (
     AnyGeneration,
-    Key,
     RelayGeneration,
     admit,
     admit_relay,
@@ -36,7 +35,7 @@ from server.generation import (
 )
 from server.protocol_anthropic import CountTokensRequest, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
 from server.relay_apis import ApiAsk, relayed_response
-from server.render import ChatDeltaView, Choice
+from server.render import ChatDeltaView, Choice, Key
 from server.routes.docs import JSON_OR_SSE
 from server.tools import ToolPlan, ToolStreamer, plan_tools
 from server.validation import chat_prompt, deadline_after, new_id

@@ -11,9 +11,9 @@ import orjson
 
 from engine_adapter.errors import GatewayError
 from server.errors import kind_of
-from server.generation import AnyGeneration, Key
+from server.generation import AnyGeneration
 from server.protocol_responses import ResponsesRequest
-from server.render import ChatDeltaView, Choice
+from server.render import ChatDeltaView, Choice, Key
 from server.store import ResponseStore, StoredResponse
 from server.tools import ToolPlan, ToolStreamer
 
