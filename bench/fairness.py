@@ -14,7 +14,9 @@ Scenarios:
 
 Targets: fair (npu-gateway --queue-policy fair), fifo (--queue-policy fifo),
 vllm (vllm serve, FCFS), vllm-priority (vllm serve --scheduling-policy
-priority; scenario b only makes sense there). Capacity (for b and c) is
+priority; scenario b only makes sense there), fair-reserve (a tuned variant:
+--queue-policy fair --fair-reserve-slots N, --reserve-slots; its engine runs
+--max-num-seqs + N sequences, the others' --max-num-seqs). Capacity (for b and c) is
 measured once per target as completed requests/s with every slot busy.
 
   .venv/bin/python bench/fairness.py --scenarios a --targets fair fifo vllm
@@ -65,10 +67,13 @@ def server(target: str, args: argparse.Namespace, folder: Path) -> Server:
     port = free_port()
     common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
               "--dtype", "bfloat16", "--enforce-eager"]
-    if target in ("fair", "fifo"):
+    if target in ("fair", "fifo", "fair-reserve"):
+        policy = ["--queue-policy", "fifo" if target == "fifo" else "fair"]
+        if target == "fair-reserve":
+            policy += ["--fair-reserve-slots", str(args.reserve_slots)]
         argv = [str(MAIN_PY), "-m", "server.cli", "serve", "--port", str(port), "--model", str(args.model), "--served-model-name",
                 MODEL_NAME, "--device", "cpu", "--log-level", "warning", "--embedding-model", "none",
-                "--api-keys-file", str(keys_file(folder)), "--queue-policy", target, "--max-queue-size", "4096",
+                "--api-keys-file", str(keys_file(folder)), *policy, "--max-queue-size", "4096",
                 "--max-queue-wait", "600", *common]
         ready = f"http://127.0.0.1:{port}/ready"
     else:
@@ -236,7 +241,14 @@ async def run_target(target: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def report(results: dict[str, dict[str, Any]]) -> None:
+def label(target: str, args: argparse.Namespace) -> str:
+    """A target's name in the tables; the tuned variant says so."""
+    if target == "fair-reserve":
+        return f"fair-reserve (tuned: --fair-reserve-slots {args.reserve_slots})"
+    return target
+
+
+def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     targets = list(results)
     if any("a" in r for r in results.values()):
         rows = []
@@ -244,19 +256,19 @@ def report(results: dict[str, dict[str, Any]]) -> None:
             a = results[t].get("a")
             if a:
                 ratio = a["b_flood"]["ttft_p99_s"] / a["b_alone"]["ttft_p99_s"]
-                rows.append([t, a["b_alone"]["ttft_p50_s"], a["b_alone"]["ttft_p99_s"], a["b_flood"]["ttft_p50_s"],
+                rows.append([label(t, args), a["b_alone"]["ttft_p50_s"], a["b_alone"]["ttft_p99_s"], a["b_flood"]["ttft_p50_s"],
                              a["b_flood"]["ttft_p99_s"], ratio, a["b_alone"]["goodput_tok_s"],
                              a["b_flood"]["goodput_tok_s"], a["a_flood"]["ttft_p50_s"]])
         print("\n(a) noisy neighbour: B's TTFT (s) and goodput (tok/s), alone and during A's flood")
         print(table(["target", "B alone p50", "B alone p99", "B flood p50", "B flood p99", "p99 flood/alone",
                      "B alone tok/s", "B flood tok/s", "A flood p50"], rows))
     if any("b" in r for r in results.values()):
-        rows = [[t, r["b"]["interactive"]["ttft_p99_s"], r["b"]["tokens_per_s"], r["b"]["rate_req_s"]]
+        rows = [[label(t, args), r["b"]["interactive"]["ttft_p99_s"], r["b"]["tokens_per_s"], r["b"]["rate_req_s"]]
                 for t, r in results.items() if "b" in r]
         print("\n(b) mixed priorities at ~1.5x capacity")
         print(table(["target", "interactive TTFT p99 (s)", "total tok/s", "arrivals/s"], rows))
     if any("c" in r for r in results.values()):
-        rows = [[t, r["c"]["goodput_req_s"], r["c"]["refused_early_share"], r["c"]["admitted_late_share"],
+        rows = [[label(t, args), r["c"]["goodput_req_s"], r["c"]["refused_early_share"], r["c"]["admitted_late_share"],
                  r["c"]["admitted_met_share"]] for t, r in results.items() if "c" in r]
         print("\n(c) 2 s TTFT deadlines at ~2x capacity")
         print(table(["target", "goodput req/s", "refused early", "admitted late", "admitted that met it"], rows))
@@ -265,11 +277,13 @@ def report(results: dict[str, dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--targets", nargs="+", default=["fair", "fifo", "vllm"],
-                    choices=["fair", "fifo", "vllm", "vllm-priority"])
+                    choices=["fair", "fifo", "vllm", "vllm-priority", "fair-reserve"])
     ap.add_argument("--scenarios", nargs="+", default=["a"], choices=sorted(SCENARIOS))
     ap.add_argument("--model", type=Path, default=MODEL_DIR)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=2, help="engine slots: small, so that the box overloads")
+    ap.add_argument("--reserve-slots", type=int, default=1,
+                    help="fair-reserve: its --fair-reserve-slots (the engine runs --max-num-seqs + this)")
     ap.add_argument("--flood", type=int, default=32, help="(a) A's streams in flight")
     ap.add_argument("--flood-tokens", type=int, default=48)
     ap.add_argument("--flood-ramp", type=float, default=5.0, help="(a) seconds of flood before B starts")
@@ -286,9 +300,10 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict[str, Any]] = {}
     for t in args.targets:
         results[t] = asyncio.run(run_target(t, args))
-    report(results)
+    report(results, args)
     path = save_json(args.name, {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(),
-                                 "note": args.note, "results": results})
+                                 "note": args.note, "labels": {t: label(t, args) for t in results},
+                                 "results": results})
     print(f"\nresults: {path}")
 
 

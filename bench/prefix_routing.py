@@ -9,8 +9,11 @@ in one run.
 gateway subscribes to its own engines, in the tier the nodes are started
 with `--engine-arg kv_events_config=...` on loopback TCP and the front is
 given `;kv-events=...;kv-tokenizer=MODEL_DIR`. Reported besides: how often the
-index predicted the cached tokens the engine reported (local only: relayed
-answers are not read by the front).
+index predicted the cached tokens the engine reported (`index_right`), and how
+often it was right at the routing decision (`index_right_at_decision`: right,
+or a miss the engine's events explain by an eviction or a store between the
+decision and the engine's cache lookup); local only: relayed answers are not
+read by the front.
 
 Topologies:
 - `tier` (default): two node gateways with one engine each, pinned one per
@@ -83,7 +86,11 @@ from _common import (
 )
 
 POLICIES = ("least-outstanding", "prefix", "kv-events")
-OUTCOMES = ("right", "over", "under")
+# the kv-events index's predictions of the cached tokens (npugw_kv_predictions_total{outcome, cause}):
+# a miss with cause evicted/stored is one the engine's own events explain by a change between the
+# routing decision and the engine's cache lookup
+OUTCOMES = (("right", "none"), ("over", "evicted"), ("over", "unexplained"), ("under", "stored"),
+            ("under", "unexplained"))
 WORDS = (
     "time year people way day man thing woman life child world school state family student group country "
     "problem hand part place case week company system program question work government number night point "
@@ -234,8 +241,8 @@ async def decisions(session: aiohttp.ClientSession, urls: list[str]) -> dict[str
     texts = [await scrape(session, url) for url in urls]
     out = {r: sum(sample(t, "npugw_route_policy_decisions_total", reason=r) for t in texts)
            for r in ("least_outstanding", "kv_hit", "prefix_hit", "load_fallback", "no_match", "session")}
-    for o in OUTCOMES:  # the kv-events index's predictions of the cached tokens
-        out[f"predicted_{o}"] = sum(sample(t, "npugw_kv_predictions_total", outcome=o) for t in texts)
+    for o, c in OUTCOMES:
+        out[f"predicted_{o}_{c}"] = sum(sample(t, "npugw_kv_predictions_total", outcome=o, cause=c) for t in texts)
     return out
 
 
@@ -361,9 +368,13 @@ async def measured(setup: Setup, policy: str, wl: Workload, mode: str, rate: flo
     r["engines"] = per
     r["hit_rate"] = sum(e["hits"] for e in per) / q if q else None
     r["decisions"] = {k: d1[k] - d0[k] for k in d1 if d1[k] - d0[k] and not k.startswith("predicted_")}
-    pred = {o: d1[f"predicted_{o}"] - d0[f"predicted_{o}"] for o in OUTCOMES}
+    pred = {f"{o}_{c}": d1[f"predicted_{o}_{c}"] - d0[f"predicted_{o}_{c}"] for o, c in OUTCOMES}
     r["predictions"] = pred
-    r["index_right"] = pred["right"] / sum(pred.values()) if sum(pred.values()) else None
+    n = sum(pred.values())
+    # right: exactly the cached tokens the engine reported; at decision: right, or a miss the engine's
+    # events explain by a change after the routing decision (evicted or stored meanwhile)
+    r["index_right"] = pred["right_none"] / n if n else None
+    r["index_right_at_decision"] = (pred["right_none"] + pred["over_evicted"] + pred["under_stored"]) / n if n else None
     r["load_average"] = list(os.getloadavg())
     return r
 
@@ -380,7 +391,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         policies = sorted({r["policy"] for r in runs}, key=POLICIES.index)
         for p in policies:
             rs = [r for r in runs if (r["workload"], r["mode"], r["policy"]) == (wl, mode, p)]
-            for m in ("ttft_p50_ms", "ttft_p99_ms", "out_tok_s", "hit_rate", "index_right"):
+            for m in ("ttft_p50_ms", "ttft_p99_ms", "out_tok_s", "hit_rate", "index_right",
+                      "index_right_at_decision"):
                 vals = [r[m] for r in rs if r.get(m) is not None]
                 row[f"{p}:{m}"] = statistics.median(vals) if vals else None
         for num, den in RATIOS:
@@ -437,14 +449,15 @@ def report(result: dict[str, Any], out: Path) -> None:
     for s in result["summary"]:
         for p in policies:
             rows.append([s["workload"], s["mode"], p, s[f"{p}:ttft_p50_ms"], s[f"{p}:ttft_p99_ms"],
-                         s[f"{p}:out_tok_s"], s[f"{p}:hit_rate"], s[f"{p}:index_right"]])
+                         s[f"{p}:out_tok_s"], s[f"{p}:hit_rate"], s[f"{p}:index_right"],
+                         s.get(f"{p}:index_right_at_decision")])
         for num, den in RATIOS:
             if f"{num}/{den}:hit_rate" in s:
                 rows.append([s["workload"], s["mode"], f"{num} / {den}", s[f"{num}/{den}:ttft_p50_ms"],
                              s[f"{num}/{den}:ttft_p99_ms"], s[f"{num}/{den}:out_tok_s"], s[f"{num}/{den}:hit_rate"],
-                             None])
+                             None, None])
     print(table(["workload", "load", "policy", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "hit rate",
-                 "index right"], rows))
+                 "index right", "right at decision"], rows))
     cats = [f"{s['workload']}/{s['mode']}" for s in result["summary"]]
     panels = []
     for m, title in (("hit_rate", "prefix cache hit rate"), ("ttft_p50_ms", "TTFT p50 (ms)"),

@@ -4,6 +4,15 @@ refusal as a kind: draining, no live worker, queue full, queue timeout, a
 time-to-first-token deadline that cannot be met. Owned by the pool and
 given what it needs: the workers, `pick` (the routing policy's choice among
 workers with a free slot) and `accepting` (whether the pool still serves).
+
+Reserve slots (--fair-reserve-slots N: each worker's engine runs its slots
++ N): ordinary requests see only the slots; a reserve slot goes, with the
+`fair` policy, to a request that would otherwise wait and whose key has
+nothing running nor queued in this model (a new flow, as in FQ-CoDel) while
+nothing more urgent waits, or whose priority value is lower than that of
+every running request. So a key that sends one request at a time behind a
+flood starts at once instead of after one slot turnover. A reserve slot
+freed goes to the queue's next waiter when that one qualifies too.
 """
 
 from __future__ import annotations
@@ -14,14 +23,17 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import TypeVar
 
 from engine_adapter.errors import DeadlineUnmeetable, EngineDead, QueueFull, QueueTimeout, ShuttingDown
+from engine_adapter.lease import Slot
 from engine_adapter.queue_stats import QueueStats
 from engine_adapter.routing.policy import RouteKey
 from engine_adapter.scheduler import FairQueue, Policy, Waiter
 from engine_adapter.workers import PoolCounters, Worker
 
 logger = logging.getLogger("engine_adapter.pool")
+K = TypeVar("K")
 
 
 class Admission:
@@ -47,6 +59,8 @@ class Admission:
         self.counters = PoolCounters()
         self._seq = itertools.count()
         self.running_by_tenant: Counter[str] = Counter()
+        self.running_by_priority: Counter[int] = Counter()
+        self._reserves = any(w.reserve for w in workers)  # --fair-reserve-slots above 0
 
     def drain(self) -> None:
         """Every queued request is refused (the server shuts down)."""
@@ -67,21 +81,23 @@ class Admission:
         tenant: str = "",
         cost: int = 1,
         ttft: float | None = None,
-    ) -> Worker:
-        """A worker with a slot taken for this request, at once or after a
-        wait in the queue. `deadline`: the request's own (a wait past it is a
-        queue timeout); `ttft`: when its first token is due."""
+    ) -> Slot:
+        """A slot taken for this request, at once or after a wait in the
+        queue. `deadline`: the request's own (a wait past it is a queue
+        timeout); `ttft`: when its first token is due."""
         if not self._accepting():
             self.refuse(tenant, "shutting_down")
             raise ShuttingDown("the server is shutting down", retry_after=5)
         if not self.queue:
             w = self._pick(key)
             if w is not None:
-                w.in_flight += 1
-                self.running_by_tenant[tenant] += 1
-                self.counters.dispatched += 1
                 self.stats.waited(tenant, 0.0)
-                return w
+                return self._grant(w, tenant, priority, cost)
+        if self._reserves and (w := self._reserve_worker()) is not None:
+            reason = self._reserve_reason(priority, tenant)
+            if reason is not None:
+                self.stats.waited(tenant, 0.0)
+                return self._grant(w, tenant, priority, cost, reason)
         if not any(w.alive for w in self.workers):
             self.refuse(tenant, "no_worker")
             raise EngineDead(
@@ -116,7 +132,7 @@ class Admission:
             limits.append(max(0.0, ttft - now))
         wait = min(limits)
         try:
-            w = await asyncio.wait_for(asyncio.shield(waiter.future), wait)
+            slot = await asyncio.wait_for(asyncio.shield(waiter.future), wait)
         except (TimeoutError, asyncio.TimeoutError):
             self._forget(waiter)
             if waiter.future.done() and not waiter.future.exception():
@@ -137,9 +153,9 @@ class Admission:
         except asyncio.CancelledError:
             self._forget(waiter)
             if waiter.future.done() and not waiter.future.cancelled() and not waiter.future.exception():
-                self.give_back(waiter.future.result(), tenant=tenant)
+                self.give_back(waiter.future.result())
             raise
-        return w
+        return slot
 
     def _estimate(self, priority: int, tenant: str, cost: int) -> float | None:
         """Seconds until a new request would leave the queue: the work ahead
@@ -155,39 +171,98 @@ class Admission:
             waiter.cancelled = True
             self.queue.remove(waiter)
 
-    def give_back(self, w: Worker, cost: int = 0, tenant: str = "") -> None:
-        """A slot of `w` is free again (after work of `cost`): it goes to the
-        next waiter."""
+    def give_back(self, slot: Slot) -> None:
+        """A slot is free again (after work of `slot.cost`): it goes to the
+        next waiter. The lease's to call (once per slot)."""
+        w = slot.worker
         busy = bool(self.queue) or all(x.free == 0 for x in self.workers if x.alive)
-        self.stats.rate.served(time.monotonic(), cost, busy)
+        self.stats.rate.served(time.monotonic(), slot.cost, busy)
         w.in_flight -= 1
-        left = self.running_by_tenant[tenant] - 1
-        if left > 0:
-            self.running_by_tenant[tenant] = left
-        else:
-            del self.running_by_tenant[tenant]
+        if slot.reserve:
+            w.reserved -= 1
+        _less(self.running_by_tenant, slot.tenant)
+        _less(self.running_by_priority, slot.priority)
         self.dispatch(w)
 
     def dispatch(self, w: Worker) -> None:
         """Hand free slots to the next waiters (`w` just freed one, or was
-        restarted)."""
+        restarted), then free reserve slots to the next waiter while it
+        qualifies for one."""
         while self.queue and w.free > 0:
             waiter = self.queue.pop()
             if waiter is None:
                 break
             if waiter.cancelled or waiter.future.done():
                 continue
-            target = self._pick(waiter.key) or w
-            target.in_flight += 1
-            self.running_by_tenant[waiter.tenant] += 1
-            self.counters.dispatched += 1
-            now = time.monotonic()
-            waited = now - waiter.enqueued
-            self.counters.queue_time_total += waited
-            self.stats.waited(waiter.tenant, waited)
-            if waiter.estimate is not None:
-                self.stats.estimated(waiter.estimate, waited)
-                logger.debug("%s: %s waited %.3fs, estimated %.3fs", self.name, waiter.tenant or "-",
-                             waited, waiter.estimate)
-            waiter.future.set_result(target)
+            self._start(waiter, self._pick(waiter.key) or w)
+        while self._reserves and self.queue and (r := self._reserve_worker()) is not None:
+            head = self.queue.peek()
+            if head is None:
+                break
+            if head.cancelled or head.future.done():
+                self.queue.pop()
+                continue
+            reason = self._reserve_reason(head.priority, head.tenant, queued=1)
+            if reason is None:
+                break
+            popped = self.queue.pop()
+            assert popped is head  # peek() is pop() on a copy of the same state
+            self._start(head, r, reason)
+
+    # ---- inside ------------------------------------------------------------
+    def _grant(self, w: Worker, tenant: str, priority: int, cost: int, reserve: str | None = None) -> Slot:
+        """Take a slot of `w` (a reserve slot, for `reserve`'s reason)."""
+        w.in_flight += 1
+        if reserve is not None:
+            w.reserved += 1
+            self.stats.reserve_admitted[reserve] += 1
+        self.running_by_tenant[tenant] += 1
+        self.running_by_priority[priority] += 1
+        self.counters.dispatched += 1
+        return Slot(w, cost=cost, tenant=tenant, priority=priority, reserve=reserve is not None)
+
+    def _start(self, waiter: Waiter, w: Worker, reserve: str | None = None) -> None:
+        """A queued waiter gets its slot on `w`."""
+        slot = self._grant(w, waiter.tenant, waiter.priority, waiter.cost, reserve)
+        waited = time.monotonic() - waiter.enqueued
+        self.counters.queue_time_total += waited
+        self.stats.waited(waiter.tenant, waited)
+        if waiter.estimate is not None:
+            self.stats.estimated(waiter.estimate, waited)
+            logger.debug("%s: %s waited %.3fs, estimated %.3fs", self.name, waiter.tenant or "-",
+                         waited, waiter.estimate)
+        waiter.future.set_result(slot)
+
+    def _reserve_worker(self) -> Worker | None:
+        """The worker with a free reserve slot and the fewest requests (the
+        routing policy's choice is for ordinary slots)."""
+        best: Worker | None = None
+        for w in self.workers:
+            if w.reserve_free > 0 and (best is None or w.in_flight < best.in_flight):
+                best = w
+        return best
+
+    def _reserve_reason(self, priority: int, tenant: str, queued: int = 0) -> str | None:
+        """Why a request that would wait may take a reserve slot, or None:
+        `new_flow` (its key has nothing running and nothing queued (but
+        itself: `queued`), and nothing more urgent waits), `priority` (a
+        lower priority value than every running request). `fifo` never."""
+        if self.queue.policy != "fair":
+            return None
+        if not self.running_by_tenant[tenant] and self.queue.queued(tenant) <= queued:
+            best = self.queue.best_priority()
+            if best is None or priority <= best:
+                return "new_flow"
+        if self.running_by_priority and priority < min(self.running_by_priority):
+            return "priority"
+        return None
+
+
+def _less(counter: Counter[K], key: K) -> None:
+    """One fewer of `key`; gone at zero."""
+    left = counter[key] - 1
+    if left > 0:
+        counter[key] = left
+    else:
+        counter.pop(key, None)
 

@@ -133,6 +133,8 @@ class Slot:
     worker: Worker
     cost: int = 0  # the queue's estimated cost of its request (engine_adapter/scheduler.py)
     tenant: str = ""  # its API key name
+    priority: int = 0
+    reserve: bool = False  # one of the worker's reserve slots (--fair-reserve-slots)
     released: bool = False
     opened: Any = None  # a relayed call the node accepted (backends/remote.py Opened)
 

@@ -1,8 +1,9 @@
 """The worker pool of one model: bounded queue, admission, priorities, fair
 share between keys, deadline-aware admission, dispatch and drain.
 
-A request needs a slot on a worker (at most `slots` run on one engine). Free
-slot: it runs at once on the worker the routing policy picks. Else it waits
+A request needs a slot on a worker (at most `slots` run on one engine, plus
+its reserve slots for new flows: --fair-reserve-slots). Free slot: it runs
+at once on the worker the routing policy picks. Else it waits
 in a bounded queue (engine_adapter/scheduler.py: lower `priority` first, as
 in vLLM; inside one priority, weighted fair share between API keys, or
 arrival order with the `fifo` policy). A full queue rejects at once
@@ -70,14 +71,19 @@ class WorkerPool:
         lazy: bool = False,
         planned_card: ModelCard | None = None,
         queue_policy: Policy = "fair",
+        reserve_slots: int = 0,
     ) -> None:
         """`lazy`: the engines start on the first request, not at `start()`
-        (`planned_card` stands for theirs until then)."""
+        (`planned_card` stands for theirs until then). `reserve_slots`: each
+        worker's engine runs `slots_per_worker` + these; only a key's new flow
+        takes one (engine_adapter/admission.py)."""
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
+        if reserve_slots < 0:
+            raise ValueError("reserve_slots must be >= 0")
         self.name = name
         self.workers = [
-            Worker(index=i, engine=factory(i), slots=slots_per_worker)
+            Worker(index=i, engine=factory(i), slots=slots_per_worker, reserve=reserve_slots)
             for i in range(num_workers)
         ]
         # a restart builds the same kind of engine (read on every request: summed up once)
@@ -140,8 +146,18 @@ class WorkerPool:
 
     @property
     def capacity(self) -> int:
-        """Engine slots of the live workers."""
+        """Engine slots of the live workers (without the reserve)."""
         return sum(w.slots for w in self.workers if w.alive)
+
+    @property
+    def reserve(self) -> int:
+        """Reserve slots of the live workers (--fair-reserve-slots)."""
+        return sum(w.reserve for w in self.workers if w.alive)
+
+    @property
+    def reserve_running(self) -> int:
+        """Reserve slots taken now."""
+        return sum(w.reserved for w in self.workers)
 
     def saturation(self) -> float:
         """Requests running or queued over the slots of live workers: 1.0
@@ -327,10 +343,10 @@ class WorkerPool:
                 lora = r.lora.name if r.lora is not None else None
                 key = self.policy.key_for_tokens(r.prompt_token_ids, session, lora) if keyed else None
                 cost = request_cost(r)
-                w = await self.admission.take(
+                slot = await self.admission.take(
                     r.priority, r.deadline, key, tenant=r.api_key_name or "", cost=cost, ttft=r.ttft_deadline
                 )
-                held.append((r, Slot(w, cost=cost, tenant=r.api_key_name or "")))
+                held.append((r, slot))
         except BaseException:
             for _, slot in held:
                 self._release_slot(slot)
@@ -342,11 +358,8 @@ class WorkerPool:
         a node that refuses or cannot be reached fails admission. The
         upstream's policy picks the node (`session` for it)."""
         cost = relay_cost(call)
-        slot = Slot(
-            await self.admission.take(
-                call.priority, call.deadline, tenant=call.api_key_name or "", cost=cost, ttft=call.ttft_deadline
-            ),
-            cost=cost, tenant=call.api_key_name or "",
+        slot = await self.admission.take(
+            call.priority, call.deadline, tenant=call.api_key_name or "", cost=cost, ttft=call.ttft_deadline
         )
         try:
             slot.opened = await slot.worker.engine.open(call, session)  # type: ignore[attr-defined]
@@ -361,7 +374,7 @@ class WorkerPool:
             slot.released = True
             if slot.opened is not None:
                 slot.opened.close()  # never relayed: the node sees the disconnect
-            self.admission.give_back(slot.worker, slot.cost, slot.tenant)
+            self.admission.give_back(slot)
 
     # ---- generation ----------------------------------------------------
     async def generate(
@@ -382,8 +395,9 @@ class WorkerPool:
     async def embed(self, req: EmbeddingRequest, session: str | None = None) -> Embedded:
         if self.lazy and not self._started:
             await self.ensure_started()
-        w = await self.admission.take(req.priority, req.deadline, tenant=req.api_key_name or "",
-                                cost=sum(map(len, req.inputs)))
+        slot = await self.admission.take(req.priority, req.deadline, tenant=req.api_key_name or "",
+                                         cost=sum(map(len, req.inputs)))
+        w = slot.worker
         self.runner.begin()
         try:
             coro = w.engine.embed(req)
@@ -401,4 +415,5 @@ class WorkerPool:
             raise
         finally:
             self.runner.end()
-            self.admission.give_back(w, tenant=req.api_key_name or "")
+            slot.cost = 0  # as before: an embedding does not feed the service rate
+            self.admission.give_back(slot)

@@ -77,6 +77,9 @@ class QueueStats:
     estimate_error: Histogram = field(default_factory=Histogram)  # |actual - estimated| wait (s)
     estimate_bias: float = 0.0  # sum of (actual - estimated): > 0, the estimate is low
     rate: ServiceRate = field(default_factory=ServiceRate)
+    # requests admitted into a reserve slot (--fair-reserve-slots), by reason:
+    # new_flow, priority (engine_adapter/admission.py)
+    reserve_admitted: Counter[str] = field(default_factory=Counter)
 
     def waited(self, tenant: str, seconds: float) -> None:
         h = self.wait.get(tenant)

@@ -21,6 +21,7 @@ class ModelSpec:
     simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
     num_workers: int = 1
     slots_per_worker: int = 256
+    reserve_slots: int = 0  # per worker, beyond slots_per_worker (--fair-reserve-slots)
     max_queue_size: int = 1024
     max_queue_wait: float = 60.0
     readiness_interval: float = 5.0
@@ -49,5 +50,6 @@ def build_pool(spec: ModelSpec, device: str, metrics: EngineMetrics | None) -> W
         max_queue_wait=spec.max_queue_wait,
         readiness_interval=spec.readiness_interval,
         lazy=spec.lazy,
+        reserve_slots=spec.reserve_slots,
         planned_card=planned_card(spec.vllm) if spec.lazy and spec.vllm is not None else None,
     )

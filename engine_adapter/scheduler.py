@@ -28,10 +28,12 @@ import math
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine_adapter.types import GenerationRequest, RelayCall
-from engine_adapter.workers import Worker
+
+if TYPE_CHECKING:
+    from engine_adapter.lease import Slot
 
 Policy = Literal["fair", "fifo"]
 POLICIES: tuple[Policy, ...] = ("fair", "fifo")
@@ -60,11 +62,11 @@ def relay_cost(call: RelayCall) -> int:
 @dataclass(eq=False, slots=True)
 class Waiter:
     """A request waiting for an engine slot; the pool resolves `future` with
-    the worker it was given."""
+    the slot it was given."""
 
     priority: int
     seq: int
-    future: asyncio.Future[Worker]
+    future: asyncio.Future[Slot]
     enqueued: float = 0.0
     tenant: str = ""  # the API key name; "" for requests without a key
     cost: int = 1  # estimated work: prompt tokens + max_tokens
@@ -132,6 +134,21 @@ class FairQueue:
 
     def queued_cost(self) -> int:
         return sum(w.cost for w in self.waiters())
+
+    def queued(self, tenant: str) -> int:
+        """Requests of `tenant` waiting (all of them, with `fifo`)."""
+        sub = self._sub(tenant)
+        return sum(len(q) for b in self._bands.values() if (q := b.queues.get(sub)) is not None)
+
+    def best_priority(self) -> int | None:
+        """The most urgent (lowest) priority value waiting; None when empty."""
+        return min(self._bands) if self._bands else None
+
+    def peek(self) -> Waiter | None:
+        """The waiter `pop()` would return now (the queue does not change)."""
+        if not self._len:
+            return None
+        return self._pop_band(self._bands[min(self._bands)].copy())
 
     # ---- changes -------------------------------------------------------
     def push(self, w: Waiter, running: bool = False) -> None:

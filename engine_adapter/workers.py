@@ -17,8 +17,12 @@ logger = logging.getLogger(__name__)
 class Worker:
     index: int
     engine: Engine
-    slots: int
-    in_flight: int = 0
+    slots: int  # what ordinary requests may use
+    in_flight: int = 0  # every slot taken, reserve slots included
+    # extra slots (--fair-reserve-slots; the engine runs slots + reserve) that
+    # admission hands only to a key's new flow (engine_adapter/admission.py)
+    reserve: int = 0
+    reserved: int = 0  # reserve slots taken
     alive: bool = False
     restarts: int = 0
     last_ready: float | None = None  # monotonic time of the last good probe (or finished request)
@@ -27,7 +31,12 @@ class Worker:
 
     @property
     def free(self) -> int:
-        return self.slots - self.in_flight if self.alive else 0
+        """Ordinary slots free (a reserve slot taken leaves these as they are)."""
+        return self.slots - (self.in_flight - self.reserved) if self.alive else 0
+
+    @property
+    def reserve_free(self) -> int:
+        return self.reserve - self.reserved if self.alive else 0
 
     def saw_output(self, now: float | None = None) -> None:
         """The engine just produced output (a delta, an embedding): with a

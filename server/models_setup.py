@@ -137,6 +137,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
     common = dict(
         num_workers=s.num_workers,
         slots_per_worker=s.max_num_seqs,
+        reserve_slots=s.fair_reserve_slots,
         max_queue_size=s.max_queue_size,
         max_queue_wait=s.max_queue_wait,
         readiness_interval=s.readiness_interval,
@@ -156,7 +157,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
                     simulated=replace(sim, kind="embed", max_model_len=512, lora=False),
                     root="simulated-embedding",
                     lazy=s.embedding_start == "lazy",  # only when asked: "auto" means the real engine's cost
-                    **common,  # type: ignore[arg-type]
+                    **{**common, "reserve_slots": 0},  # type: ignore[arg-type]
                 )
             )
         return specs
@@ -175,7 +176,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         max_model_len=s.max_model_len,
         dtype=s.dtype,
         enforce_eager=s.enforce_eager,
-        max_num_seqs=s.max_num_seqs,
+        max_num_seqs=s.max_num_seqs + s.fair_reserve_slots,  # the reserve slots are the engine's too
         max_num_batched_tokens=s.max_num_batched_tokens,
         block_size=s.block_size,
         enable_prefix_caching=s.enable_prefix_caching,
@@ -228,7 +229,8 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
                         emb_bind, s.embedding_cpu_bind)
         specs.append(
             ModelSpec(names=emb_names, backend="vllm", vllm=emb, root=str(emb_path), lazy=embedding_lazy(s),
-                      **{**common, "num_workers": 1, "slots_per_worker": min(s.max_num_seqs, 64)})  # type: ignore[arg-type]
+                      **{**common, "num_workers": 1, "slots_per_worker": min(s.max_num_seqs, 64),
+                         "reserve_slots": 0})  # type: ignore[arg-type]
         )
     return specs
 

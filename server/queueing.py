@@ -29,6 +29,7 @@ from server.settings import Settings
 logger = logging.getLogger(__name__)
 
 TTFT_HEADER = "x-ttft-deadline-ms"
+RESERVE_REASONS = ("new_flow", "priority")  # why a request took a reserve slot (engine_adapter/admission.py)
 REFUSALS = ("queue_full", "queue_timeout", "deadline_unmeetable", "deadline_expired", "no_worker", "shutting_down")
 
 
@@ -140,6 +141,16 @@ class QueueCollector(Collector):
             "npugw_queue_wait_estimate_bias_seconds",
             "Mean (actual - estimated) queue wait: above 0 the estimate is low.", labels=["model_name"],
         )
+        reserve = CounterMetricFamily(
+            "npugw_queue_reserve_admissions",
+            "Requests admitted into a reserve slot (--fair-reserve-slots) instead of waiting, by reason: "
+            "new_flow (their key had nothing running nor queued), priority (more urgent than every running "
+            "request).",
+            labels=["model_name", "reason"],
+        )
+        reserve_running = GaugeMetricFamily(
+            "npugw_queue_reserve_running", "Reserve slots (--fair-reserve-slots) taken now.", labels=["model_name"],
+        )
         for p in self._pools():
             stats = p.queue_stats
             for tenant, h in stats.wait.items():
@@ -154,7 +165,11 @@ class QueueCollector(Collector):
             e = stats.estimate_error
             err.add_metric([p.name], _buckets(e), e.total)
             bias.add_metric([p.name], stats.estimate_bias / e.n if e.n else 0.0)
-        yield from (wait, depth, refused, saturation, est_wait, err, bias)
+            if any(w.reserve for w in p.workers):
+                for reason in RESERVE_REASONS:
+                    reserve.add_metric([p.name, reason], stats.reserve_admitted[reason])
+                reserve_running.add_metric([p.name], p.reserve_running)
+        yield from (wait, depth, refused, saturation, est_wait, err, bias, reserve, reserve_running)
 
 
 def describe(p: WorkerPool, upcoming: int = 8) -> dict[str, Any]:
@@ -173,6 +188,9 @@ def describe(p: WorkerPool, upcoming: int = 8) -> dict[str, Any]:
                  for w in p.queue.upcoming(upcoming)],
         "running": p.running,
         "capacity": p.capacity,
+        "reserve": p.reserve,
+        "reserve_running": p.reserve_running,
+        "reserve_admissions": {r: p.queue_stats.reserve_admitted[r] for r in RESERVE_REASONS},
         "saturation": round(p.saturation(), 4),
         "service_rate_tokens_per_s": round(rate, 2) if rate else None,
         "estimated_wait_s": round(w, 3) if (w := p.estimated_wait()) is not None else None,

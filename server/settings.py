@@ -149,6 +149,16 @@ class Settings(BaseSettings):
         "robin on estimated cost (each key's `weight` in the keys file), `fifo` serves in arrival order. "
         "A SIGHUP reload of --config may switch it; queued requests stay queued",
     )
+    fair_reserve_slots: int = Field(
+        0,
+        ge=0,
+        description="extra engine slots per worker (each local engine runs --max-num-seqs + N sequences) that "
+        "admission gives only to a request that would otherwise wait and whose API key has nothing running nor "
+        "queued in that model (a new flow), or whose priority value is below every running request's; with "
+        "--queue-policy fair. A key sending one request at a time behind a flood then starts at once instead of "
+        "after a slot frees. Cost: up to N more sequences per engine (KV memory for them; slightly slower "
+        "tokens for the others). 0: off",
+    )
     request_timeout: float = Field(600.0, gt=0, description="seconds a whole request may take")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds to drain in-flight requests on SIGTERM")
     readiness_interval: float = Field(5.0, gt=0, description="seconds between readiness probes")

@@ -19,9 +19,16 @@ silent for `stale_after` seconds after a request that must have produced
 events) is judged by the `prefix` guess, which this policy keeps up as well.
 Decisions on the index count as `kv_hit`, on the guess as `prefix_hit`.
 
-Every routed request's prediction (the cached tokens its engine's index
-promised) is compared with the prompt tokens the engine reports as cached
-(`observe`): `npugw_kv_predictions_total{outcome}`.
+Every routed request's prediction is compared with the prompt tokens the
+engine reports as cached (`observe`): `npugw_kv_predictions_total{outcome,
+cause}`. The prediction applies the engine's own rule (`engine_cached`) to
+the blocks the index holds at the decision. The engine looks its cache up
+later, when it schedules the request, so a miss is judged by the events
+that came in between: `over` with cause `evicted` when the first block the
+engine lacked was removed after the decision, `under` with cause `stored`
+when the first block the index lacked was stored after it (another request
+with the same prefix, queued ahead on that engine); cause `unexplained`
+when no event explains the miss.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,13 +79,41 @@ class KvRouteKey(RouteKey):
         return None
 
 
+def engine_cached(held_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """The cached tokens vLLM reports for a prompt of `prompt_tokens` whose
+    first `held_blocks` blocks it holds: full blocks only, and never the
+    whole prompt: it computes at least the last token, so it looks up at most
+    `prompt_tokens - 1` tokens' worth of full blocks (v1/core/kv_cache_manager.py
+    get_computed_blocks, single_type_kv_cache_manager.py find_longest_cache_hit).
+    A fully cached prompt of exactly k blocks reports (k - 1) blocks."""
+    return min(held_blocks, max(prompt_tokens - 1, 0) // block_size) * block_size
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One routing decision's prediction, waiting for the engine's answer."""
+
+    tokens: int  # the cached tokens predicted (engine_cached of the index's match)
+    hashes: tuple[int, ...]  # the prompt's block hashes
+    block_size: int
+    mark: int  # the index's change serial at the decision
+
+
 @dataclass(slots=True)
 class Accuracy:
     """Predicted cached tokens vs what the engines reported."""
 
     outcomes: Counter[str] = field(default_factory=Counter)  # right, over, under
+    # over/under explained by a change between the decision and the engine's
+    # lookup: (over, evicted), (under, stored)
+    stale: Counter[str] = field(default_factory=Counter)
     predicted_tokens: int = 0
     cached_tokens: int = 0
+
+    def count(self, outcome: str, stale: bool = False) -> None:
+        self.outcomes[outcome] += 1
+        if stale:
+            self.stale[outcome] += 1
 
 
 class Subscriber:
@@ -211,7 +246,8 @@ class KvEventsPolicy(PrefixPolicy):
         self.stale_after = stale_after
         self.recover = recover
         self.accuracy = Accuracy()
-        self._pending: OrderedDict[tuple[int, int], int] = OrderedDict()
+        # (engine, prompt fingerprint) -> its predictions, oldest first
+        self._pending: OrderedDict[tuple[int, int], deque[Prediction]] = OrderedDict()
         self._tasks: dict[int, asyncio.Task[None]] = {}
         # upstream nodes: a request body -> its prompt's token ids (None: not a plain prompt)
         self.tokenize: Callable[[Mapping[str, Any]], list[int] | None] | None = None
@@ -358,22 +394,37 @@ class KvEventsPolicy(PrefixPolicy):
             idx.expect(now)  # the engine stores new full blocks: a BlockStored must follow
         if not idx.healthy(now, self.recover, self.stale_after):
             return
-        # vLLM recomputes at least the prompt's last token
-        cap = (key.tokens - 1) // h.block_size * h.block_size
-        self._pending[(engine, key.fingerprint)] = min(held * h.block_size, cap)
+        pred = Prediction(engine_cached(held, key.tokens, h.block_size), hs, h.block_size, idx.serial)
+        k = (engine, key.fingerprint)
+        q = self._pending.get(k)
+        if q is None:
+            self._pending[k] = q = deque()
+        q.append(pred)  # the same prompt routed again before the engine answered: judged in turn
         while len(self._pending) > PENDING_MAX:
             self._pending.popitem(last=False)
 
     def observe(self, engine: int, token_ids: Sequence[int], cached_tokens: int) -> None:
         if not self._pending:
             return
-        predicted = self._pending.pop((engine, hash(tuple(token_ids))), None)
-        if predicted is None:
+        k = (engine, hash(tuple(token_ids)))
+        q = self._pending.get(k)
+        if not q:
             return
+        pred = q.popleft()
+        if not q:
+            del self._pending[k]
         acc = self.accuracy
-        acc.outcomes["right" if predicted == cached_tokens else "over" if predicted > cached_tokens else "under"] += 1
-        acc.predicted_tokens += predicted
+        acc.predicted_tokens += pred.tokens
         acc.cached_tokens += cached_tokens
+        if pred.tokens == cached_tokens:
+            acc.count("right")
+            return
+        idx = self.indexes[engine]
+        hs, b = pred.hashes, pred.block_size
+        # the first block the engine lacked (over) or the index lacked (under)
+        first = cached_tokens // b if pred.tokens > cached_tokens else pred.tokens // b
+        stale = first < len(hs) and idx.changed_since(hs[first], pred.mark)
+        acc.count("over" if pred.tokens > cached_tokens else "under", stale)
 
     def forget(self, engine: int) -> None:
         super().forget(engine)

@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SEED = "vllm-none-hash"  # vLLM's DEFAULT_NONE_HASH_SEED
 HASH_ALGOS = ("sha256", "sha256_cbor")
+CHANGES_MAX = 1 << 16  # hashes whose last change the index remembers (for judging predictions)
 _MASK64 = (1 << 64) - 1
 
 
@@ -107,14 +109,26 @@ def decode_batch(payload: bytes, decode: Callable[[bytes], Any] | None = None) -
 class KvIndex:
     """The block hashes one engine holds, kept from its events.
 
+    `blocks` counts the copies of each hash: vLLM may cache one hash in
+    several physical blocks (v1/core/block_pool.py BlockHashToBlockMap), and
+    publishes a BlockStored for each copy and a BlockRemoved for each
+    evicted one. A prompt of exactly k full blocks, all cached, is one way:
+    the engine recomputes its last block (it always computes the prompt's
+    last token) into a second copy. The hash is held until its last copy
+    goes.
+
     `seq` is the last publisher sequence number applied (-1: none yet). A
     gap (messages the socket dropped) is filled from the replay socket, or
     the index is dropped; a sequence that goes back means a restarted
     publisher: the index is dropped too. Dropping empties it and counts it;
-    while `healthy()` is false the policy uses its `prefix` guess instead."""
+    while `healthy()` is false the policy uses its `prefix` guess instead.
+
+    `serial` numbers every change (each event, each drop; never reset);
+    `changed_since(h, mark)` says whether hash `h` was stored or removed (or
+    everything dropped) after the change numbered `mark`."""
 
     name: str = ""
-    blocks: set[int] = field(default_factory=set)
+    blocks: dict[int, int] = field(default_factory=dict)  # hash -> copies held
     block_size: int | None = None  # from the events (BlockStored.block_size)
     seq: int = -1
     received: int = 0  # events applied
@@ -125,6 +139,9 @@ class KvIndex:
     last_event: float | None = None  # monotonic time of the last batch
     dropped_at: float | None = None  # the last drop (healthy again after `recover` seconds)
     waiting_since: float | None = None  # a keyed request was routed here and no event came since
+    serial: int = 0  # changes applied, ever
+    cleared_at: int = -1  # the serial of the last AllBlocksCleared or drop
+    changed: OrderedDict[int, int] = field(default_factory=OrderedDict)  # hash -> serial of its last change
 
     def apply(self, batch: Any, now: float | None = None) -> None:
         """Apply one KVEventBatch (vLLM's msgspec object)."""
@@ -132,19 +149,29 @@ class KvIndex:
 
         now = time.monotonic() if now is None else now
         blocks = self.blocks
+        touch = self._touch
         for ev in batch.events:
+            self.serial += 1
             if isinstance(ev, BlockStored):
                 if ev.lora_name is None:  # an adapter's blocks never match a plain prompt's hashes
                     extra = ev.extra_keys or ()
                     for i, h in enumerate(ev.block_hashes):
                         if i >= len(extra) or extra[i] is None:  # salted, image blocks: not hashed here
-                            blocks.add(external(h))
+                            x = external(h)
+                            blocks[x] = blocks.get(x, 0) + 1
+                            touch(x)
                 if ev.block_size > 0 and len(ev.token_ids) == ev.block_size * len(ev.block_hashes):
                     self.block_size = ev.block_size  # full blocks: the engine's block size
             elif isinstance(ev, BlockRemoved):
-                blocks.difference_update(external(h) for h in ev.block_hashes)
+                for h in ev.block_hashes:
+                    x = external(h)
+                    n = blocks.pop(x, 0)
+                    if n > 1:
+                        blocks[x] = n - 1
+                    touch(x)
             elif isinstance(ev, AllBlocksCleared):
                 blocks.clear()
+                self.cleared_at = self.serial
             self.received += 1
         self.batches += 1
         self.last_event = now
@@ -153,6 +180,8 @@ class KvIndex:
     def drop(self, reason: str, now: float | None = None) -> None:
         """Forget everything: what the engine holds is not known any more."""
         self.blocks.clear()
+        self.serial += 1
+        self.cleared_at = self.serial
         self.drops[reason] = self.drops.get(reason, 0) + 1
         self.dropped_at = time.monotonic() if now is None else now
         self.waiting_since = None
@@ -174,6 +203,19 @@ class KvIndex:
         """A request with full blocks went to this engine: events should follow."""
         if self.waiting_since is None:
             self.waiting_since = now
+
+    def _touch(self, h: int) -> None:
+        changed = self.changed
+        changed[h] = self.serial
+        changed.move_to_end(h)
+        if len(changed) > CHANGES_MAX:
+            changed.popitem(last=False)
+
+    def changed_since(self, h: int, mark: int) -> bool:
+        """Whether `h` was stored or removed, or the index emptied, after
+        change number `mark` (a hash last changed before the newest
+        CHANGES_MAX changes counts as unchanged)."""
+        return self.cleared_at > mark or self.changed.get(h, -1) > mark
 
     def match(self, hashes: Sequence[int]) -> int:
         """How many of `hashes`, from the first, this engine holds."""

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from engine_adapter.routing.kv_events import KvEventsPolicy
 
-OUTCOMES = ("right", "over", "under")
+STALE = {"over": "evicted", "under": "stored"}  # the cause of a miss a change after the decision explains
 
 
 def kv_families(policies: Iterable[tuple[str, KvEventsPolicy]]) -> Iterator[Metric]:
@@ -31,7 +31,9 @@ def kv_families(policies: Iterable[tuple[str, KvEventsPolicy]]) -> Iterator[Metr
                                 "prefix guess (no events yet, dropped recently, or silent).", labels=eng)
     predictions = CounterMetricFamily(
         "npugw_kv_predictions", "Routed requests whose engine's index predicted the prompt tokens the engine "
-        "reported cached (right), more (over) or fewer (under).", labels=["model", "outcome"])
+        "reported cached (right), more (over) or fewer (under); cause: evicted (over) or stored (under) when "
+        "the index's events show that block changed between the routing decision and the engine's answer, "
+        "else unexplained.", labels=["model", "outcome", "cause"])
     predicted = CounterMetricFamily("npugw_kv_predicted_cached_tokens", "Prompt tokens the index predicted cached.",
                                     labels=["model"])
     reported = CounterMetricFamily("npugw_kv_reported_cached_tokens", "Prompt tokens the engines reported cached "
@@ -52,8 +54,11 @@ def kv_families(policies: Iterable[tuple[str, KvEventsPolicy]]) -> Iterator[Metr
                 age.add_metric(key, a)
             healthy.add_metric(key, 1.0 if p.healthy(e, now) else 0.0)
         acc = p.accuracy
-        for outcome in OUTCOMES:
-            predictions.add_metric([model, outcome], acc.outcomes[outcome])
+        predictions.add_metric([model, "right", "none"], acc.outcomes["right"])
+        for outcome, cause in STALE.items():
+            stale = acc.stale[outcome]
+            predictions.add_metric([model, outcome, cause], stale)
+            predictions.add_metric([model, outcome, "unexplained"], acc.outcomes[outcome] - stale)
         predicted.add_metric([model], acc.predicted_tokens)
         reported.add_metric([model], acc.cached_tokens)
     yield from (blocks, received, lost, malformed, drops, age, healthy, predictions, predicted, reported)

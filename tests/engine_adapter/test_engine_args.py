@@ -20,6 +20,7 @@ from engine_adapter.backends.vllm_config import (
     make_engine_args,
 )
 from engine_adapter.model import embedded_model_dir, prepare_embedded_model
+from engine_adapter.registry import build_pool
 from server.models_setup import model_specs
 from server.settings import Settings
 from server.settings_cli import add_settings_arguments, settings_from_args
@@ -116,6 +117,30 @@ def test_extra_models_get_their_own_specs(model_dir: str) -> None:
     assert second.model == model_dir
     with pytest.raises(ValueError):
         settings_from_args(parse(["--extra-model", "no-path"]))
+
+
+def test_reserve_slots_are_the_engines_too_but_not_the_pools_ordinary_ones(
+    monkeypatch: pytest.MonkeyPatch, model_dir: str
+) -> None:
+    """--fair-reserve-slots N: each generation engine runs --max-num-seqs + N
+    sequences; the pool keeps N of them per worker as its reserve; the
+    embedding engine gets none. Default 0: the engine's max_num_seqs is
+    --max-num-seqs, as before."""
+    base = ["--model", model_dir, "--extra-model", f"second={model_dir}", "--max-num-seqs", "2"]
+    for argv, reserve in ((base, 0), ([*base, "--fair-reserve-slots", "3"], 3)):
+        main, second, emb = model_specs(settings_from_args(parse(argv)))
+        for spec in (main, second):
+            assert spec.vllm is not None
+            args = make_engine_args(spec.vllm.engine_kwargs("cpu"))
+            assert args.max_num_seqs == 2 + reserve
+            assert (spec.slots_per_worker, spec.reserve_slots) == (2, reserve)
+        assert emb.vllm is not None and emb.vllm.max_num_seqs == 2 and emb.reserve_slots == 0
+        pool = build_pool(main, "cpu", None)
+        assert [(w.slots, w.reserve) for w in pool.workers] == [(2, reserve)]
+    monkeypatch.setenv("NPUGW_FAIR_RESERVE_SLOTS", "1")
+    assert settings_from_args(parse([])).fair_reserve_slots == 1
+    with pytest.raises(ValueError):
+        settings_from_args(parse(["--fair-reserve-slots", "-1"]))
 
 
 def test_load_format_and_engine_args_reach_engine_args(model_dir: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine_adapter.routing.kv_events import KvEventsPolicy, KvRouteKey, KvSource, Subscriber
+from engine_adapter.routing.kv_events import KvEventsPolicy, KvRouteKey, KvSource, Subscriber, engine_cached
 from engine_adapter.routing.kv_index import BlockHasher, KvIndex, decode_batch
 from engine_adapter.routing.policy import make_policy, parse_policies
 from tests.support import wait_until
@@ -102,8 +102,30 @@ def test_index_follows_stored_removed_cleared() -> None:
     # vLLM evicts a freed request's tail blocks first: C keeps its head
     assert idx.match(hashes("D")) == 5 and idx.match(hashes("C")) == 3 and len(idx.blocks) == 8
     apply_all(idx, msgs[4:])  # AllBlocksCleared, then A stored again
-    assert idx.blocks == set(hashes("A"))
+    assert idx.blocks.keys() == set(hashes("A"))
     assert idx.received == sum(len(msgspec.msgpack.decode(f[2])[1]) for f in msgs)
+
+
+def test_a_hash_cached_in_two_blocks_is_held_until_both_go() -> None:
+    """vLLM keeps one hash in several physical blocks (a fully cached prompt
+    of exactly k blocks recomputes its last block into a second copy) and
+    publishes a BlockStored per copy and a BlockRemoved per evicted copy."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    a = META["prompts"]["A"][:5 * BS]
+    hs = BlockHasher(BS, "sha256").hashes(a)
+    first = KVEventBatch(ts=0.0, events=[BlockStored(block_hashes=hs, parent_block_hash=None, token_ids=a,
+                                                     block_size=BS, lora_id=None, medium="GPU", lora_name=None)])
+    again = KVEventBatch(ts=1.0, events=[BlockStored(block_hashes=hs[4:], parent_block_hash=hs[3],
+                                                     token_ids=a[4 * BS:], block_size=BS, lora_id=None,
+                                                     medium="GPU", lora_name=None)])
+    idx = KvIndex()
+    idx.apply(first)
+    idx.apply(again)
+    idx.apply(KVEventBatch(ts=2.0, events=[BlockRemoved(block_hashes=hs[4:], medium="GPU")]))  # one copy evicted
+    assert idx.match(hs) == 5 and len(idx.blocks) == 5
+    idx.apply(KVEventBatch(ts=3.0, events=[BlockRemoved(block_hashes=hs[4:], medium="GPU")]))
+    assert idx.match(hs) == 4 and len(idx.blocks) == 4
 
 
 def test_replay_equals_the_stream() -> None:
@@ -152,7 +174,7 @@ async def test_subscriber_replays_what_it_missed_and_sees_a_restart() -> None:
         await asyncio.sleep(0.3)
         pub.send(0)
         await wait_until(lambda: idx.drops.get("restart") == 1, what="the restart")
-        assert idx.blocks == set(hashes("A")) and idx.seq == 0
+        assert idx.blocks.keys() == set(hashes("A")) and idx.seq == 0
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     finally:
@@ -224,6 +246,70 @@ def test_routes_to_the_engine_that_holds_the_prompt() -> None:
     assert p.stats.decisions["no_match"] == 1
     p.observe(0, META["prompts"]["D"], 128)
     assert p.accuracy.outcomes == {"right": 1, "under": 1}
+
+
+def test_the_prediction_is_the_engines_rule() -> None:
+    """vLLM reports full blocks only, and never the prompt's last token:
+    A (660 tokens, 5 blocks) held whole -> 640, as the engine reported for
+    A2; a prompt of exactly 5 blocks held whole -> 4 blocks."""
+    assert engine_cached(5, len(META["prompts"]["A2"]), BS) == META["cached_tokens"]["A2"] == 640
+    assert engine_cached(5, 5 * BS, BS) == 4 * BS and engine_cached(5, 5 * BS + 1, BS) == 5 * BS
+    assert engine_cached(2, 660, BS) == 2 * BS and engine_cached(0, 660, BS) == 0 and engine_cached(3, 0, BS) == 0
+    p = policy()
+    feed(p, 0, 0)
+    exact = META["prompts"]["A"][:5 * BS]
+    p.choose([0], [0], p.key_for_tokens(exact, None))
+    p.observe(0, exact, 4 * BS)
+    assert p.accuracy.outcomes == {"right": 1}
+
+
+def test_a_miss_is_judged_by_the_events_after_the_decision() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from engine_adapter.routing.policy import PolicyCollector
+    from tests.support import metric_value
+
+    a = META["prompts"]["A"]
+    p = policy()
+    feed(p, 0, 0)  # engine 0 holds A
+    p.choose([0], [0], p.key_for_tokens(a, None))  # predicts 640
+    feed(p, 0, 2)  # then C and D evict A's blocks before the engine looks A up
+    feed(p, 0, 3)
+    p.observe(0, a, 0)
+    assert p.accuracy.outcomes == {"over": 1} and p.accuracy.stale == {"over": 1}
+
+    p.choose([0], [0], p.key_for_tokens(a, None))  # predicts 0: the index holds none of A
+    feed(p, 0, 0)  # another request stores A, queued ahead of this one on the engine
+    p.observe(0, a, 640)
+    assert p.accuracy.outcomes == {"over": 1, "under": 1} and p.accuracy.stale == {"over": 1, "under": 1}
+
+    p.choose([0], [0], p.key_for_tokens(a, None))  # predicts 640; nothing changes, the engine says 128
+    p.observe(0, a, 128)
+    d, b = META["prompts"]["D"], META["prompts"]["B"]
+    p.choose([0], [0], p.key_for_tokens(d, None))  # D is held whole: 640, as the engine says
+    p.observe(0, d, 640)
+    p.choose([0], [0], p.key_for_tokens(b, None))  # B: A's first 2 blocks, 256; the engine says 640
+    p.observe(0, b, 640)
+    assert p.accuracy.outcomes == {"over": 2, "under": 2, "right": 1}
+    assert p.accuracy.stale == {"over": 1, "under": 1}  # the others: no event explains them
+
+    reg = CollectorRegistry()
+    reg.register(PolicyCollector(lambda: [("smol", p)]))
+    text = generate_latest(reg).decode()
+    for outcome, cause, n in (("right", "none", 1), ("over", "evicted", 1), ("over", "unexplained", 1),
+                              ("under", "stored", 1), ("under", "unexplained", 1)):
+        assert metric_value(text, "npugw_kv_predictions_total", model="smol", outcome=outcome, cause=cause) == n
+
+
+def test_the_same_prompt_twice_before_the_answers_is_judged_twice() -> None:
+    p = policy()
+    feed(p, 0, 0)
+    a = META["prompts"]["A"]
+    p.choose([0], [0], p.key_for_tokens(a, None))
+    p.choose([0], [0], p.key_for_tokens(a, None))
+    p.observe(0, a, 640)
+    p.observe(0, a, 640)
+    assert p.accuracy.outcomes == {"right": 2} and p.accuracy.cached_tokens == 1280
 
 
 def test_load_beats_a_match_past_the_thresholds() -> None:

@@ -1,12 +1,14 @@
 """Fair share on the real engine: one key floods a two-slot gateway, another
-key's request is served after at most one slot turnover (issue 34). One
-gateway process for the module; short answers keep it quick."""
+key's request is served after at most one slot turnover (issue 34); with
+--fair-reserve-slots 1 it starts while the flood still holds both slots.
+One gateway process per variant; short answers keep it quick."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -19,8 +21,7 @@ FLOOD = 8
 TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def fair_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+def gateway(tmp_path_factory: pytest.TempPathFactory, *extra: str) -> Iterator[GatewayProcess]:
     tmp = tmp_path_factory.mktemp("fairness")
     keys = tmp / "keys.yaml"
     keys.write_text(yaml.safe_dump({"keys": [
@@ -29,7 +30,7 @@ def fair_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayPr
     gw = GatewayProcess(
         ["--max-num-seqs", "2", "--embedding-model", "none", "--max-model-len", "1024",
          "--readiness-interval", "3600", "--api-keys-file", str(keys), "--admin-api-key", "sk-admin",
-         "--max-queue-wait", "120"],
+         "--max-queue-wait", "120", *extra],
         tmp / "gateway.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
     )
     try:
@@ -39,13 +40,28 @@ def fair_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayPr
         gw.stop()
 
 
-async def stream(http: httpx.AsyncClient, key: str) -> None:
+@pytest.fixture(scope="module")
+def fair_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    yield from gateway(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reserve_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    yield from gateway(tmp_path_factory, "--fair-reserve-slots", "1")
+
+
+async def stream(http: httpx.AsyncClient, key: str, first: Callable[[], Awaitable[None]] | None = None) -> None:
+    """One streamed answer; `first` is awaited at its first chunk."""
     body = {"model": EMBEDDED, "messages": [{"role": "user", "content": "Count to one hundred."}],
             "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
     async with http.stream("POST", "/v1/chat/completions", json=body,
                            headers={"Authorization": f"Bearer sk-{key}"}) as r:
         assert r.status_code == 200
-        text = await r.aread()
+        text = b""
+        async for chunk in r.aiter_bytes():
+            if not text and first is not None:
+                await first()
+            text += chunk
     assert text.endswith(b"data: [DONE]\n\n")
 
 
@@ -79,3 +95,38 @@ async def test_a_second_key_is_served_after_at_most_one_slot_turnover(fair_gatew
     # slots that went to the flood meanwhile: at most the one that freed first
     assert queued_at - started_at <= 1, (queued_at, started_at)
     assert started_at >= FLOOD - 4 - 2  # the rest of the flood waited behind it
+
+
+@pytest.mark.asyncio
+async def test_with_a_reserve_slot_the_second_key_starts_while_the_flood_holds_both_slots(
+    reserve_gateway: GatewayProcess,
+) -> None:
+    admin = {"Authorization": "Bearer sk-admin"}
+    async with httpx.AsyncClient(base_url=reserve_gateway.url, timeout=300) as http:
+
+        async def queue() -> dict[str, Any]:
+            r = await http.get("/admin/queue", headers=admin)
+            return dict(r.json()["models"][EMBEDDED])
+
+        seen: list[dict[str, Any]] = []
+
+        async def at_first_token() -> None:
+            seen.append(await queue())
+
+        flood = [asyncio.ensure_future(stream(http, "flood")) for _ in range(FLOOD)]
+
+        async def flood_queued() -> bool:
+            return int((await queue())["keys"].get("flood", {}).get("queued", 0)) >= FLOOD - 4
+
+        # both ordinary slots are the flood's, and it queues the rest
+        await wait_until(flood_queued, timeout=120, what="the flood to queue", interval=0.05)
+        await stream(http, "small", at_first_token)
+        after = await queue()
+        await asyncio.gather(*flood)
+    (m,) = seen
+    # at small's first token the flood still held both ordinary slots and kept a queue: small did not wait
+    # for one to free, it ran on the reserve
+    assert m["keys"]["flood"]["running"] == 2 and m["keys"]["flood"]["queued"] >= 1, m
+    assert m["keys"]["small"] == {"queued": 0, "running": 1, "weight": 1.0}, m
+    assert (m["capacity"], m["reserve"], m["reserve_running"]) == (2, 1, 1), m
+    assert after["reserve_admissions"]["new_flow"] == 1 and after["reserve_running"] == 0, after

@@ -59,24 +59,27 @@ def replay_endpoints(gw: GatewayProcess) -> dict[str, str]:
     return {e: f"{base}.replay" for e, base in found.items()}
 
 
-def stored_hashes(endpoint: str) -> list[int]:
-    """Every BlockStored hash the engine published so far, in order."""
+def published(endpoint: str) -> list[dict[str, Any]]:
+    """Every event the engine published so far, in order."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 10_000)
     sock.connect(endpoint)
-    out: list[int] = []
+    out: list[dict[str, Any]] = []
     try:
         sock.send_multipart([b"", (0).to_bytes(8, "big")])
         while True:
             msg = sock.recv_multipart()
             if int.from_bytes(msg[2], "big", signed=True) == -1:
                 return out
-            for ev in msgspec.msgpack.decode(msg[3])[1]:
-                if ev["type"] == "BlockStored":
-                    out.extend(ev["block_hashes"])
+            out.extend(msgspec.msgpack.decode(msg[3])[1])
     finally:
         sock.close(0)
+
+
+def stored_hashes(endpoint: str) -> list[int]:
+    """Every BlockStored hash the engine published so far, in order."""
+    return [h for ev in published(endpoint) if ev["type"] == "BlockStored" for h in ev["block_hashes"]]
 
 
 def value(text: str, name: str, **labels: str) -> float:
@@ -129,3 +132,53 @@ def test_gateway_hashes_equal_the_engines_and_route_the_repeat(gateway: GatewayP
         assert value(text, "npugw_kv_predictions_total", model=EMBEDDED, outcome="over") == 0
         assert value(text, "npugw_kv_index_healthy", model=EMBEDDED, engine=served) == 1
         assert value(text, "npugw_kv_events_lost_total", model=EMBEDDED, engine=served) == 0
+
+
+def test_a_prompt_of_whole_blocks_is_predicted_by_the_engines_rule(gateway: GatewayProcess) -> None:
+    """A prompt of exactly 5 blocks, cached whole: the engine reports 4 blocks
+    (it always computes the last token, so it recomputes the last block), the
+    index predicts just that, and the recomputed block is a second copy of a
+    hash the engine already holds: it publishes BlockStored for it again."""
+    size = 128
+    ids = [1000 + (i * 7919) % 20000 for i in range(5 * size)]
+    body = {"model": EMBEDDED, "prompt": ids, "max_tokens": 1, "temperature": 0}
+    ours = BlockHasher(size).hashes(ids)
+    with httpx.Client(base_url=gateway.url, timeout=300) as c:
+        first = c.post("/v1/completions", json=body)
+        assert first.status_code == 200, first.text
+        assert first.json()["usage"]["prompt_tokens"] == 5 * size
+        ends = replay_endpoints(gateway)
+        events: dict[str, list[dict[str, Any]]] = {}
+
+        def stored() -> bool:
+            events.update({e: published(ep) for e, ep in ends.items()})
+            return any(ours[-1] in ev.get("block_hashes", ()) for evs in events.values() for ev in evs)
+
+        wait_until_sync(stored, timeout=30, what="the engine's BlockStored events of the prompt")
+        served = next(e for e, evs in events.items() if any(ours[-1] in ev.get("block_hashes", ()) for ev in evs))
+
+        def indexed() -> bool:  # every event the engine published so far is in the gateway's index
+            text = c.get("/metrics").text
+            return value(text, "npugw_kv_events_received_total", model=EMBEDDED, engine=served) >= len(events[served])
+
+        wait_until_sync(indexed, timeout=30, what="the gateway's index of the serving engine")
+        before = c.get("/metrics").text
+        second = c.post("/v1/completions", json=body)
+        assert second.status_code == 200, second.text
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * size
+        after = c.get("/metrics").text
+        for outcome in ("right", "over", "under"):
+            d = (value(after, "npugw_kv_predictions_total", model=EMBEDDED, outcome=outcome)
+                 - value(before, "npugw_kv_predictions_total", model=EMBEDDED, outcome=outcome))
+            assert d == (1 if outcome == "right" else 0), outcome
+        assert (value(after, "npugw_route_policy_decisions_total", model=EMBEDDED, policy="kv-events",
+                      reason="kv_hit")
+                - value(before, "npugw_route_policy_decisions_total", model=EMBEDDED, policy="kv-events",
+                        reason="kv_hit")) == 1
+
+        def twice() -> bool:
+            hs = stored_hashes(ends[served])
+            return hs.count(ours[-1]) == 2
+
+        wait_until_sync(twice, timeout=30, what="a second BlockStored of the prompt's last block")
+        assert stored_hashes(ends[served]).count(ours[0]) == 1  # the blocks it found were not stored again

@@ -150,6 +150,28 @@ async def test_admin_queue_shows_depth_per_key_and_the_next_keys(tmp_path: Path)
 
 
 @pytest.mark.asyncio
+async def test_a_new_key_on_a_reserve_slot_shows_in_admin_queue_and_the_metrics(tmp_path: Path) -> None:
+    s = Settings(api_keys_file=keys_file(tmp_path))
+    pool = sim_pool(max_queue_wait=30, reserve_slots=1)
+    async with serve([(pool, ("sim",), "sim")], s) as (client, _):
+        flood = [asyncio.ensure_future(stream(client, "a", {**CHAT, "max_tokens": 300})) for _ in range(3)]
+        await wait_until(lambda: pool.running == 1 and pool.queue_depth == 2, what="the flood to queue")
+        b = asyncio.ensure_future(stream(client, "b", {**CHAT, "max_tokens": 300}))
+        await wait_until(lambda: pool.running == 2, what="b to start beside the flood")
+        m = (await client.get("/admin/queue", headers=auth("admin"))).json()["models"]["sim"]
+        assert (m["capacity"], m["reserve"], m["reserve_running"], m["running"], m["depth"]) == (1, 1, 1, 2, 2)
+        assert m["reserve_admissions"] == {"new_flow": 1, "priority": 0}
+        assert m["keys"]["b"] == {"queued": 0, "running": 1, "weight": 1.0}
+        metrics = (await client.get("/metrics", headers=auth("admin"))).text
+        assert metric_value(metrics, "npugw_queue_reserve_admissions_total", model_name="sim", reason="new_flow") == 1
+        assert metric_value(metrics, "npugw_queue_reserve_running", model_name="sim") == 1
+        for t in (b, *flood):
+            t.cancel()
+        await asyncio.gather(b, *flood, return_exceptions=True)
+        await wait_until(lambda: pool.running == 0 and pool.reserve_running == 0, what="every slot back")
+
+
+@pytest.mark.asyncio
 async def test_a_sighup_reload_switches_the_policy_and_loses_nothing_queued(tmp_path: Path) -> None:
     config = tmp_path / "gw.yaml"
     config.write_text("queue_policy: fair\n")
