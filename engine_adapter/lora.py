@@ -23,12 +23,12 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from engine_adapter.errors import InvalidRequest, ModelNotFound
-from engine_adapter.lease import Ask, Lease, Relayed, Request, Tagged
+from engine_adapter.lease import Ask, LocalLease, Relayed, RelayLease, Tagged
 from engine_adapter.types import (
     Embedded,
     EmbeddingRequest,
@@ -44,6 +44,7 @@ from engine_adapter.types import (
 # vLLM's MaxLoRARanks (vllm/config/lora.py): the ranks --max-lora-rank takes.
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
+L = TypeVar("L", LocalLease, RelayLease)  # a lease kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,22 +281,29 @@ class AdapterPool:
 
     async def acquire(
         self, ask: Ask, session: str | None = None, model: str | None = None
-    ) -> Lease:
+    ) -> AdapterLease | AdapterRelayLease:
         if not self.loaded:  # unloaded while the request was on its way
             raise ModelNotFound(f"The model `{self.name}` does not exist.", param="model")
         start = time.monotonic()
         lease = await self.base.acquire(_AdapterAsk(ask, self), session, model=model or self.name)
         if self.metrics is not None:
             self.metrics.requests.labels(self.name, self.base_name).inc()
+        if isinstance(lease, RelayLease):
+            return AdapterRelayLease(lease, self, start)
         return AdapterLease(lease, self, start)
 
 
-class AdapterLease:
-    """The base pool's lease, counted for the adapter's metrics."""
+def _labels(pool: AdapterPool) -> tuple[str, str] | None:
+    return (pool.name, pool.base_name) if pool.metrics is not None else None
+
+
+class _Counted(Generic[L]):
+    """The base pool's lease (`inner`), counted for the adapter's metrics."""
 
     __slots__ = ("_inner", "_pool", "_start")
+    _inner: L
 
-    def __init__(self, inner: Lease, pool: AdapterPool, start: float) -> None:
+    def __init__(self, inner: L, pool: AdapterPool, start: float) -> None:
         self._inner = inner
         self._pool = pool
         self._start = start
@@ -304,31 +312,27 @@ class AdapterLease:
     def served_by(self) -> str:
         return self._inner.served_by
 
+    def release(self) -> None:
+        self._inner.release()
+
+
+class AdapterLease(_Counted[LocalLease], LocalLease):
+    """The base pool's local lease: tokens and TTFT counted as they come."""
+
+    __slots__ = ()
+
     @property
-    def requests(self) -> Sequence[Request]:
+    def requests(self) -> Sequence[GenerationRequest]:
         return self._inner.requests
 
-    @property
-    def relayed(self) -> bool:
-        return self._inner.relayed
-
-    @property
-    def upstream(self) -> str | None:
-        return self._inner.upstream
-
-    def _labels(self) -> tuple[str, str] | None:
-        p = self._pool
-        return (p.name, p.base_name) if p.metrics is not None else None
-
     async def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]:
-        m, labels = self._pool.metrics, self._labels()
+        m, labels = self._pool.metrics, _labels(self._pool)
         if m is None or labels is None:
             async with aclosing(self._inner.stream(idle_tick)) as plain:
                 async for item in plain:
                     yield item
             return
-        prompt = sum(len(r.prompt_token_ids) for r in self._inner.requests if isinstance(r, GenerationRequest))
-        m.prompt_tokens.labels(*labels).inc(prompt)
+        m.prompt_tokens.labels(*labels).inc(sum(len(r.prompt_token_ids) for r in self._inner.requests))
         first = True
         gen = m.generation_tokens.labels(*labels)
         async with aclosing(self._inner.stream(idle_tick)) as stream:
@@ -340,8 +344,23 @@ class AdapterLease:
                     gen.inc(sum(len(o.token_ids) for o in batch))
                 yield tag, batch
 
+
+class AdapterRelayLease(_Counted[RelayLease], RelayLease):
+    """The base pool's relay lease (nodes that serve the adapter by name):
+    counted from the usage the node reports."""
+
+    __slots__ = ()
+
+    @property
+    def call(self) -> RelayCall:
+        return self._inner.call
+
+    @property
+    def upstream(self) -> str | None:
+        return self._inner.upstream
+
     async def relay(self) -> AsyncGenerator[Relayed, None]:
-        m, labels = self._pool.metrics, self._labels()
+        m, labels = self._pool.metrics, _labels(self._pool)
         first = True
         async with aclosing(self._inner.relay()) as items:
             async for item in items:
@@ -353,6 +372,3 @@ class AdapterLease:
                         first = False
                         m.ttft.labels(*labels).observe(time.monotonic() - self._start)
                 yield item
-
-    def release(self) -> None:
-        self._inner.release()

@@ -34,7 +34,7 @@ from engine_adapter.errors import (
     RequestTimeout,
     ShuttingDown,
 )
-from engine_adapter.lease import Ask, PoolLease, Prepared, Slot
+from engine_adapter.lease import Ask, PoolLease, PoolRelayLease, Prepared, Slot
 from engine_adapter.routing.policy import RouteKey, RoutingPolicy
 from engine_adapter.running import Runner
 from engine_adapter.scheduler import Policy, relay_cost, request_cost
@@ -325,9 +325,10 @@ class WorkerPool:
 
     async def acquire(
         self, ask: Ask, session: str | None = None, model: str | None = None
-    ) -> PoolLease:
-        """Admission: an engine slot per request of `ask` (one pass-through
-        call for upstream nodes), or a `GatewayError` kind. `model`: the
+    ) -> PoolLease | PoolRelayLease:
+        """Admission: an engine slot per request of `ask` (a local lease), or
+        one for a pass-through call a node accepted (a relay lease, for
+        upstream nodes), or a `GatewayError` kind. `model`: the
         served name the requests carry (a router's target)."""
         if self.lazy and not self._started:
             await self.ensure_started()
@@ -335,7 +336,7 @@ class WorkerPool:
         if self.relays:
             return await self._acquire_relay(ask.relay(name), session)
         reqs = ask.local(self, name)
-        held: list[tuple[GenerationRequest | RelayCall, Slot]] = []
+        held: list[tuple[GenerationRequest, Slot]] = []
         keyed = len(self.workers) > 1
         try:
             for r in reqs:
@@ -350,9 +351,9 @@ class WorkerPool:
             for _, slot in held:
                 self._release_slot(slot)
             raise
-        return PoolLease(name, held, self.runner.run, self.runner.relay, self._release_slot)
+        return PoolLease(name, held, self.runner.run, self._release_slot)
 
-    async def _acquire_relay(self, call: RelayCall, session: str | None = None) -> PoolLease:
+    async def _acquire_relay(self, call: RelayCall, session: str | None = None) -> PoolRelayLease:
         """A slot, then the node's acceptance of the call (its status line):
         a node that refuses or cannot be reached fails admission. The
         upstream's policy picks the node (`session` for it)."""
@@ -365,7 +366,7 @@ class WorkerPool:
         except BaseException:
             self._release_slot(slot)
             raise
-        return PoolLease(call.model, [(call, slot)], self.runner.run, self.runner.relay, self._release_slot)
+        return PoolRelayLease(call, slot, self.runner.relay, self._release_slot)
 
     def _release_slot(self, slot: Slot) -> None:
         """The lease's way to give a slot back (once; later calls do nothing)."""
@@ -382,6 +383,7 @@ class WorkerPool:
         """Admit `req`, then its outputs one at a time (None: an idle tick).
         For probes and tests; the HTTP layer acquires and streams itself."""
         lease = await self.acquire(Prepared([req]))
+        assert isinstance(lease, PoolLease)  # Prepared is never relayed: upstream nodes refuse it at admission
         async with aclosing(lease.stream(idle_tick)) as stream:
             async for _, batch in stream:
                 if batch is None:

@@ -34,7 +34,7 @@ from server.ask import RouteAsk
 from server.auth import authenticate
 from server.disconnect import Watch
 from server.errors import shape_for
-from server.generation import admit, forwarded, note_outcome, session_of
+from server.generation import admit_relay, forwarded, note_outcome, session_of
 from server.relay import RelayAnswer
 from server.state import Gateway, ServedModel
 from server.validation import deadline_after, new_id
@@ -193,7 +193,7 @@ async def _serve(request: Request, gw: Gateway, take: _Take, raw: bytes, prefix:
         forward=forwarded(request), max_tokens=take.max_tokens, n=take.n, body=take.body,
     )
     ask.path = request.scope["path"]
-    gen = await admit(request, gw, principal, model, ask, session_of(request, take.user))
+    gen = await admit_relay(request, gw, principal, model, ask, session_of(request, take.user))
     answer = RelayAnswer(gen, stream=take.stream)
     await answer.start()
     await answer(request.scope, request.receive, send)

@@ -1,6 +1,8 @@
 """The generation core, shared by every endpoint that generates text.
 
     gen = await admit(request, gw, principal, model, ask, session)
+    if isinstance(gen, RelayGeneration):                   # upstream nodes
+        return await relay_response(request, gen)          # (server/relay.py)
     return stream_response(gen, render, tail, keep_alive)   # or
     return await json_response(request, gen, build)
 
@@ -8,9 +10,12 @@
 limits, then the model's `acquire` (alias and fallback choice, queue wait,
 queue full). A refusal raises a `GatewayError` kind, which becomes a status
 with `Retry-After`, streamed request or not. Only an admitted request gets a
-response, whose body runs the lease. Endpoints only validate and render:
-`render` turns one batch of engine deltas into bytes, `build` turns the
-collected choices into the JSON answer.
+response, whose body runs the lease. The lease's kind says which: a local
+engine's (`Generation`, streamed here) or a call passed through to upstream
+nodes (`RelayGeneration`, relayed by server/relay.py); a route dispatches
+once, on that type. Endpoints only validate and render: `render` turns one
+batch of engine deltas into bytes, `build` turns the collected choices into
+the JSON answer.
 
 Token charging is the same however a request ends (done, failed, client
 gone): the prompt plus what was generated.
@@ -21,19 +26,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine_adapter.errors import EngineError, GatewayError
-from engine_adapter.lease import Lease, Prepared
-from engine_adapter.types import EngineOutput, GenerationRequest, RelayUsage
+from engine_adapter.errors import EngineError, GatewayError, InvalidRequest
+from engine_adapter.lease import Lease, LocalLease, Prepared, RelayLease
+from engine_adapter.types import EngineOutput, GenerationRequest, RelayCall, RelayUsage
 from server import sse
 from server.ask import RouteAsk, engine_trace
 from server.auth import Principal
@@ -41,13 +46,13 @@ from server.disconnect import until_disconnect, watched
 from server.errors import error_event, error_response
 from server.limits import Admission
 from server.queueing import ttft_deadline, with_deadline
-from server.render import Choice, usage
+from server.render import Choice, Key, usage
 from server.state import Gateway, ServedModel
 
 logger = logging.getLogger(__name__)
 
 SERVED_BY = "x-npugw-served-by"
-Key = tuple[int, int]  # (prompt, choice index)
+L = TypeVar("L", LocalLease, RelayLease)
 
 
 def forwarded(request: Request) -> tuple[tuple[str, str], ...]:
@@ -70,46 +75,25 @@ def session_of(request: Request, user: str | None) -> str | None:
     return user or None
 
 
-class Generation:
-    """One admitted client request: the key's admission, the engine lease,
-    and the tokens it used."""
+class Admitted(Generic[L]):
+    """One admitted client request: the key's admission, the lease (of
+    either kind), and the tokens it used."""
 
-    __slots__ = (
-        "_cached", "_done", "_first", "_stream", "admission", "completion_tokens", "created", "lease", "model",
-        "note", "prompt_tokens",
-    )
+    __slots__ = ("_cached", "_done", "admission", "completion_tokens", "created", "lease", "model", "note",
+                 "prompt_tokens")
+    lease: L
 
-    def __init__(
-        self, model: ServedModel, lease: Lease, admission: Admission, note: dict[str, Any] | None = None
-    ) -> None:
+    def __init__(self, model: ServedModel, lease: L, admission: Admission, note: dict[str, Any] | None = None) -> None:
         self.model = model
         # the request's scope["state"]: what the access log and the trace read
         self.note: dict[str, Any] = note if note is not None else {}
         self.lease = lease
         self.admission = admission
         self.created = int(time.time())
-        self.prompt_tokens = sum(len(r.prompt_token_ids) for r in lease.requests if isinstance(r, GenerationRequest))
+        self.prompt_tokens = 0
         self.completion_tokens = 0
         self._cached: dict[int, int] = {}
         self._done = False
-        self._stream: AsyncGenerator[tuple[int, list[EngineOutput]] | None, None] | None = None
-        self._first: tuple[int, list[EngineOutput]] | None = None
-
-    @property
-    def requests(self) -> list[GenerationRequest]:
-        """The engine requests (one per prompt) of a local generation."""
-        return [r for r in self.lease.requests if isinstance(r, GenerationRequest)]
-
-    @property
-    def relayed(self) -> bool:
-        """Passed through to upstream nodes (see server/relay.py)."""
-        return self.lease.relayed
-
-    def took(self, usage: RelayUsage) -> None:
-        """The usage a node reported for a passed-through request."""
-        self.prompt_tokens = usage.prompt_tokens
-        self.completion_tokens = usage.completion_tokens
-        self._cached[0] = usage.cached_tokens
 
     @property
     def served_by(self) -> str:
@@ -129,6 +113,63 @@ class Generation:
 
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    def finish(self) -> None:
+        """Give back the lease and settle the key's tokens. Idempotent."""
+        if self._done:
+            return
+        self._done = True
+        self.lease.release()
+        self.admission.finish(self.prompt_tokens, self.completion_tokens)
+        self.note.update(
+            t_done=time.perf_counter(), target=self.served_by, prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens, cached_tokens=self.cached_tokens, **self._noted(),
+        )
+
+    def _noted(self) -> dict[str, Any]:
+        return {"relayed": False}
+
+
+class RelayGeneration(Admitted[RelayLease]):
+    """An admitted request passed through to upstream nodes: the node's
+    answer is written by server/relay.py `RelayAnswer`; the usage it reports
+    is taken with `took`."""
+
+    __slots__ = ()
+
+    @property
+    def call(self) -> RelayCall:
+        """The call that answers (an alias may move on before the first byte)."""
+        return self.lease.call
+
+    def took(self, usage: RelayUsage) -> None:
+        """The usage a node reported for a passed-through request."""
+        self.prompt_tokens = usage.prompt_tokens
+        self.completion_tokens = usage.completion_tokens
+        self._cached[0] = usage.cached_tokens
+
+    def _noted(self) -> dict[str, Any]:
+        return {"relayed": True, "upstream": self.lease.upstream}
+
+
+class Generation(Admitted[LocalLease]):
+    """An admitted request on local engines: their outputs, streamed or
+    collected, with the tokens counted as they come."""
+
+    __slots__ = ("_first", "_stream")
+
+    def __init__(
+        self, model: ServedModel, lease: LocalLease, admission: Admission, note: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(model, lease, admission, note)
+        self.prompt_tokens = sum(len(r.prompt_token_ids) for r in lease.requests)
+        self._stream: AsyncGenerator[tuple[int, list[EngineOutput]] | None, None] | None = None
+        self._first: tuple[int, list[EngineOutput]] | None = None
+
+    @property
+    def requests(self) -> Sequence[GenerationRequest]:
+        """The engine requests, one per prompt."""
+        return self.lease.requests
 
     async def prime(self, idle_tick: float | None = None) -> None:
         """Wait for the first output, so that every failure before the first
@@ -207,27 +248,15 @@ class Generation:
                     each(p, out)
         return dict(sorted(choices.items(), key=lambda kv: kv[1].index))
 
-    def finish(self) -> None:
-        """Give back the lease and settle the key's tokens. Idempotent."""
-        if self._done:
-            return
-        self._done = True
-        self.lease.release()
-        self.admission.finish(self.prompt_tokens, self.completion_tokens)
-        self.note.update(
-            t_done=time.perf_counter(), target=self.served_by, relayed=self.relayed,
-            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-            cached_tokens=self.cached_tokens,
-        )
-        if self.relayed:
-            self.note["upstream"] = self.lease.upstream
-
 
 def note_outcome(note: dict[str, Any], outcome: str) -> None:
     """How a request ended when its engines' finish reasons do not say it:
     `cancelled` (the client left) or `error` (failed after its status
     line). The first one noted stays."""
     note.setdefault("outcome", outcome)
+
+
+AnyGeneration = Generation | RelayGeneration  # what a renderer of both kinds takes
 
 
 async def admit(
@@ -237,10 +266,12 @@ async def admit(
     model: ServedModel,
     ask: RouteAsk | Prepared,
     session: str | None,
-) -> Generation:
+) -> Generation | RelayGeneration:
     """Admission: the key's limits, then an engine slot per request (on the
     target an alias picks, in the form it takes: `ask`). Raises a
-    `GatewayError` kind; returns only when the request will run."""
+    `GatewayError` kind; returns only when the request will run: on local
+    engines (a `Generation`) or passed through to upstream nodes (a
+    `RelayGeneration`)."""
     budget = ask.budget()
     ask = with_deadline(ask, ttft_deadline(request, principal))  # a bad header is a 400 here, before any limit
     note = request.scope.setdefault("state", {})
@@ -252,7 +283,35 @@ async def admit(
         admission.finish(0)
         raise
     note["t_admitted"] = time.perf_counter()
+    if isinstance(lease, RelayLease):
+        return RelayGeneration(model, lease, admission, note)
     return Generation(model, lease, admission, note)
+
+
+async def admit_relay(
+    request: Request, gw: Gateway, principal: Principal, model: ServedModel, ask: RouteAsk, session: str | None
+) -> RelayGeneration:
+    """`admit` for a request only upstream nodes take (its `ask` builds no
+    local requests: a local target refuses it at admission)."""
+    return _only(await admit(request, gw, principal, model, ask, session), RelayGeneration)
+
+
+async def admit_local(
+    request: Request, gw: Gateway, principal: Principal, model: ServedModel, ask: Prepared, session: str | None
+) -> Generation:
+    """`admit` for requests built before admission (local engines only:
+    upstream nodes refuse a `Prepared` at admission)."""
+    return _only(await admit(request, gw, principal, model, ask, session), Generation)
+
+
+G = TypeVar("G", Generation, RelayGeneration)
+
+
+def _only(gen: Generation | RelayGeneration, kind: type[G]) -> G:
+    if isinstance(gen, kind):
+        return gen
+    gen.finish()
+    raise InvalidRequest(f"model {gen.model.id!r} cannot take this request")
 
 
 def prepared(request: Request, reqs: list[GenerationRequest]) -> Prepared:

@@ -37,7 +37,7 @@ from engine_adapter.lease import Relayed
 from engine_adapter.types import RelayCall, RelayUsage
 from server import sse
 from server.disconnect import until_disconnect, watched
-from server.generation import Generation, note_outcome, openai_stream_error
+from server.generation import RelayGeneration, note_outcome, openai_stream_error
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class DeltaView(Protocol):
     def failed(self, err: GatewayError) -> bytes: ...
 
 
-async def first_bytes(items: AsyncGenerator[Relayed, None], gen: Generation) -> bytes:
+async def first_bytes(items: AsyncGenerator[Relayed, None], gen: RelayGeneration) -> bytes:
     """The first bytes of a relayed answer (usage before them is taken)."""
     async for item in items:
         if isinstance(item, RelayUsage):
@@ -83,7 +83,7 @@ class RelayAnswer(Response):
 
     def __init__(
         self,
-        gen: Generation,
+        gen: RelayGeneration,
         *,
         stream: bool,
         failed: Callable[[GatewayError], bytes] = openai_stream_error,
@@ -110,9 +110,7 @@ class RelayAnswer(Response):
     @property
     def call(self) -> RelayCall:
         """The call that answers (an alias may have moved on before the first byte)."""
-        call = self.gen.lease.requests[0]
-        assert isinstance(call, RelayCall)
-        return call
+        return self.gen.call
 
     @property
     def translated(self) -> bool:
@@ -263,10 +261,8 @@ def deltas(data: bytes, call: RelayCall) -> list[tuple[dict[str, Any], str | Non
     return out
 
 
-async def relay_response(request: Request, gen: Generation) -> Response:
+async def relay_response(request: Request, gen: RelayGeneration) -> Response:
     """The answer of a passed-through chat, completions or embeddings request."""
-    call = gen.lease.requests[0]
-    assert isinstance(call, RelayCall)
-    answer = RelayAnswer(gen, stream=call.stream)
+    answer = RelayAnswer(gen, stream=gen.call.stream)
     await until_disconnect(request, answer.start())
     return answer

@@ -23,11 +23,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine_adapter.errors import InvalidRequest
 from engine_adapter.routing.upstream import upstreams_of
 from engine_adapter.types import GenerationRequest, RelayCall
 from server.ask import RouteAsk
 from server.disconnect import until_disconnect
-from server.generation import Generation
+from server.generation import RelayGeneration
 from server.relay import DeltaView, Estimate, RelayAnswer
 from server.state import Gateway
 
@@ -41,9 +42,10 @@ def has_api(gw: Gateway, target: str, api: str) -> bool:
 
 class ApiAsk(RouteAsk):
     """A request of one of these APIs: for a local engine, `build(pool)`
-    (the route's translation, tokenized with that engine's tokenizer); for
-    nodes that serve `api`, the client's body at `path`; for nodes that do
-    not, `translate(model)` sent to `via` (chat or completions), streamed."""
+    (the route's translation, tokenized with that engine's tokenizer; none:
+    upstream nodes only); for nodes that serve `api`, the client's body at
+    `path`; for nodes that do not, `translate()` sent to `via` (chat or
+    completions), streamed."""
 
     def __init__(
         self,
@@ -53,10 +55,10 @@ class ApiAsk(RouteAsk):
         api: str,
         path: str,
         via: str,
-        build: Callable[[Any], list[GenerationRequest]],
         translate: Callable[[], dict[str, Any]],
         native: bool = True,
         via_stream: bool = True,
+        build: Callable[[Any], list[GenerationRequest]] | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(raw, **kw)
@@ -70,6 +72,8 @@ class ApiAsk(RouteAsk):
         self.via_stream = via_stream
 
     def build(self, pool: Any) -> list[GenerationRequest]:
+        if self._build is None:
+            raise InvalidRequest("this model is served by upstream nodes only")
         return self._build(pool)
 
     def relay(self, model: str) -> RelayCall:
@@ -87,7 +91,7 @@ class ApiAsk(RouteAsk):
 
 async def relayed_response(
     request: Request,
-    gen: Generation,
+    gen: RelayGeneration,
     path: str,
     view: DeltaView,
     *,

@@ -67,6 +67,9 @@ class CompletionLogprobs:
         }
 
 
+Key = tuple[int, int]  # a choice's (prompt, choice index)
+
+
 @dataclass(slots=True)
 class Choice:
     """Accumulates one choice of a non-streamed response."""

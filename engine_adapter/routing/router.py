@@ -29,15 +29,19 @@ from collections import deque
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from engine_adapter.errors import GatewayError, ServiceUnavailable, fallback_reason, target_failed
-from engine_adapter.lease import Ask, Lease, Relayed, Request, Tagged
+from engine_adapter.lease import Ask, Lease, LocalLease, Relayed, RelayLease, Tagged
 from engine_adapter.routing.metrics import RoutingMetrics
 from engine_adapter.routing.spec import CanaryPolicy, RouteSpec
 from engine_adapter.types import Embedded, EmbeddingRequest, EngineStats, ModelCard, Tokenizer
 
+if TYPE_CHECKING:
+    from engine_adapter.types import GenerationRequest, RelayCall
+
 logger = logging.getLogger(__name__)
+L = TypeVar("L", LocalLease, RelayLease)
 
 
 class ServedPool(Protocol):
@@ -228,11 +232,14 @@ class Router:
     # ---- requests -----------------------------------------------------------
     async def acquire(
         self, ask: Ask, session: str | None = None, model: str | None = None
-    ) -> RouterLease:
-        """Admission on the first target of the chain that has room."""
+    ) -> RouterLocalLease | RouterRelayLease:
+        """Admission on the first target of the chain that has room; the
+        lease is of that target's kind (a local engine's, or a relay)."""
         chain = self.chain(session)
         i, inner = await self._admit(chain, 0, ask)
-        return RouterLease(self, chain, i, inner, ask)
+        if isinstance(inner, RelayLease):
+            return RouterRelayLease(self, chain, i, inner, ask)
+        return RouterLocalLease(self, chain, i, inner, ask)
 
     async def _admit(
         self, chain: list[tuple[str, ServedPool, Target | None]], start: int, ask: Ask
@@ -332,47 +339,56 @@ class Router:
         return {"targets": targets, "fallbacks": list(self.fallbacks)}
 
 
-class RouterLease:
-    """A lease on one target of an alias. If that target fails before the
-    first token (or byte, for upstream nodes), the lease moves on to the
-    next target of the chain that admits the request; the HTTP layer waits
-    for that first output before its status line, so `served_by` names the
-    target that answers."""
+class _Moves:
+    """What both kinds of an alias's lease share: the chain of targets, the
+    one that holds the request now, and the move to the next."""
 
-    __slots__ = ("_ask", "_chain", "_i", "_inner", "_router")
+    __slots__ = ("_ask", "_chain", "_i", "_router")
 
-    def __init__(
-        self,
-        router: Router,
-        chain: list[tuple[str, ServedPool, Target | None]],
-        i: int,
-        inner: Lease,
-        ask: Ask,
-    ) -> None:
+    def __init__(self, router: Router, chain: list[tuple[str, ServedPool, Target | None]], i: int, ask: Ask) -> None:
         self._router = router
         self._chain = chain
         self._i = i
-        self._inner = inner
         self._ask = ask
 
     @property
     def served_by(self) -> str:
         return self._chain[self._i][0]
 
+    async def _next(self, e: GatewayError, deadline: float, first: float | None, kind: type[L]) -> L:
+        """Target `_i` failed with `e`: record it, then admission on the next
+        target that has room (raises `e` unless the request may move on). A
+        lease never changes kind: a next target of the other kind is given
+        back and `e` stands. (`kind` is an abstract class, which mypy flags
+        at the call: python/mypy#4717.)"""
+        self._router._failed(self._chain, self._i, e, deadline, first)
+        i, inner = await self._router._admit(self._chain, self._i + 1, self._ask)
+        if not isinstance(inner, kind):
+            inner.release()
+            raise e from None
+        self._i = i
+        return inner
+
+
+class RouterLocalLease(_Moves, LocalLease):
+    """A lease on one local target of an alias. If that target fails before
+    the first token, the lease moves on to the next target of the chain
+    that admits the request; the HTTP layer waits for that first output
+    before its status line, so `served_by` names the target that answers.
+    A stream cannot turn into a relay midway: a next target of upstream
+    nodes fails it with the first target's error."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(
+        self, router: Router, chain: list[tuple[str, ServedPool, Target | None]], i: int, inner: LocalLease, ask: Ask
+    ) -> None:
+        super().__init__(router, chain, i, ask)
+        self._inner = inner
+
     @property
-    def requests(self) -> Sequence[Request]:
+    def requests(self) -> Sequence[GenerationRequest]:
         return self._inner.requests
-
-    @property
-    def relayed(self) -> bool:
-        return self._inner.relayed
-
-    @property
-    def upstream(self) -> str | None:
-        return self._inner.upstream
-
-    def _deadline(self) -> float:
-        return min((r.deadline for r in self._inner.requests if r.deadline is not None), default=math.inf)
 
     async def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]:
         router = self._router
@@ -389,10 +405,8 @@ class RouterLease:
                         yield tag, batch
             except GatewayError as e:
                 inner.release()
-                router._failed(self._chain, self._i, e, self._deadline(), ttft)  # raises unless it may move on
-                self._i, self._inner = await router._admit(self._chain, self._i + 1, self._ask)
-                if self._inner.relayed:
-                    raise e from None  # a stream cannot turn into a relay midway
+                deadline = min((r.deadline for r in inner.requests if r.deadline is not None), default=math.inf)
+                self._inner = await self._next(e, deadline, ttft, LocalLease)  # type: ignore[type-abstract]
                 continue
             except BaseException:
                 inner.release()
@@ -401,6 +415,31 @@ class RouterLease:
             inner.release()
             router._record(target, name, "ok", False, ttft)
             return
+
+    def release(self) -> None:
+        self._inner.release()
+
+
+class RouterRelayLease(_Moves, RelayLease):
+    """A lease on one target of upstream nodes of an alias: as
+    RouterLocalLease, it moves on before the node's first byte; a relay
+    cannot turn into a local stream midway."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(
+        self, router: Router, chain: list[tuple[str, ServedPool, Target | None]], i: int, inner: RelayLease, ask: Ask
+    ) -> None:
+        super().__init__(router, chain, i, ask)
+        self._inner = inner
+
+    @property
+    def call(self) -> RelayCall:
+        return self._inner.call
+
+    @property
+    def upstream(self) -> str | None:
+        return self._inner.upstream
 
     async def relay(self) -> AsyncGenerator[Relayed, None]:
         router = self._router
@@ -417,10 +456,8 @@ class RouterLease:
                         yield item
             except GatewayError as e:
                 inner.release()
-                router._failed(self._chain, self._i, e, self._deadline(), ttfb)  # raises unless it may move on
-                self._i, self._inner = await router._admit(self._chain, self._i + 1, self._ask)
-                if not self._inner.relayed:
-                    raise e from None  # a relay cannot turn into a local stream midway
+                deadline = inner.call.deadline if inner.call.deadline is not None else math.inf
+                self._inner = await self._next(e, deadline, ttfb, RelayLease)  # type: ignore[type-abstract]
                 continue
             except BaseException:
                 inner.release()

@@ -13,15 +13,16 @@ from engine_adapter.types import EngineOutput, GenerationRequest
 from server import sse
 from server.ask import RouteAsk
 from server.auth import Principal
+from server.chat_bridge import chat_requests
 from server.deps import AuthDep, GatewayDep
-from server.generation import Generation, Key, admit, forwarded, json_response, session_of, stream_response
+from server.generation import Generation, RelayGeneration, admit, forwarded, json_response, session_of, stream_response
 from server.protocol import ChatCompletionRequest
 from server.relay import relay_response
-from server.render import Choice, chat_logprobs, finish
+from server.render import Choice, Key, chat_logprobs, finish
 from server.routes.docs import JSON_OR_SSE
 from server.state import Gateway
-from server.tools import ToolPlan, plan_tools
-from server.validation import build_chat_request, chat_prompt, deadline_after, new_id, structured_from
+from server.tools import ToolPlan
+from server.validation import deadline_after, new_id
 
 logger = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
@@ -46,7 +47,7 @@ async def create_chat_completion(
     if not model.pool.relays:
         ask.local(model.pool, model.id)  # a bad request is a 400 before admission
     gen = await admit(request, gw, principal, model, ask, session_of(request, body.user))
-    if gen.relayed:
+    if isinstance(gen, RelayGeneration):
         return await relay_response(request, gen)
     plan = ask.plan
     if body.stream:
@@ -56,8 +57,9 @@ async def create_chat_completion(
 
 
 class ChatAsk(RouteAsk):
-    """A chat request for a local engine: tools planned, the chat template
-    rendered and tokenized with that engine's tokenizer."""
+    """A chat request: for a local engine, tools planned, the chat template
+    rendered and tokenized with that engine's tokenizer (server/chat_bridge.py
+    `chat_requests`); for upstream nodes, the client's body."""
 
     path = "/v1/chat/completions"
 
@@ -69,26 +71,11 @@ class ChatAsk(RouteAsk):
         self.plan = ToolPlan()
 
     def build(self, pool: Any) -> list[GenerationRequest]:
-        body = self.body
-        plan = self.plan = plan_tools(body, pool.tokenizer)
-        structured = plan.structured or structured_from(body.response_format, body)
-        prompt, ids = chat_prompt(body, pool.tokenizer, plan.template_tools, plan.chat_template)
-        return [
-            build_chat_request(
-                body,
-                request_id=self.request_id,
-                model=pool.name,
-                prompt=prompt,
-                prompt_ids=ids,
-                card=pool.card,
-                max_n=self.gw.settings.max_n,
-                timeout=self.gw.settings.request_timeout,
-                structured=structured,
-                api_key_name=self.api_key_name,
-                priority=self.priority,
-                vocab_hint=pool.tokenizer.vocab_size,
-            )
-        ]
+        self.plan, reqs = chat_requests(
+            self.body, pool, self.gw.settings, request_id=self.request_id, api_key_name=self.api_key_name,
+            priority=self.priority,
+        )
+        return reqs
 
 
 def _answer(gen: Generation, plan: ToolPlan, want_logprobs: bool, choices: dict[Key, Choice]) -> dict[str, Any]:

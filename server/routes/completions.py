@@ -13,10 +13,10 @@ from engine_adapter.types import EngineOutput, GenerationRequest
 from server import sse
 from server.ask import RouteAsk
 from server.deps import AuthDep, GatewayDep
-from server.generation import Generation, Key, admit, forwarded, json_response, session_of, stream_response
+from server.generation import Generation, RelayGeneration, admit, forwarded, json_response, session_of, stream_response
 from server.protocol import CompletionRequest
 from server.relay import relay_response
-from server.render import Choice, CompletionLogprobs, finish
+from server.render import Choice, CompletionLogprobs, Key, finish
 from server.routes.docs import JSON_OR_SSE
 from server.state import Gateway, ServedModel
 from server.validation import build_completion_request, completion_prompts, deadline_after, new_id
@@ -45,7 +45,7 @@ async def create_completion(
     if not model.pool.relays:
         ask.local(model.pool, model.id)  # a bad request is a 400 before admission
     gen = await admit(request, gw, principal, model, ask, session_of(request, body.user))
-    if gen.relayed:
+    if isinstance(gen, RelayGeneration):
         return await relay_response(request, gen)
     view = _Completions(model, gen, rid, body)
     if body.stream:

@@ -17,7 +17,7 @@ from engine_adapter.types import Tokenizer
 from server.ask import RouteAsk
 from server.deps import AuthDep, GatewayDep
 from server.disconnect import until_disconnect
-from server.generation import SERVED_BY, admit, forwarded, session_of
+from server.generation import SERVED_BY, admit_relay, forwarded, session_of
 from server.protocol import EmbeddingRequest
 from server.relay import relay_response
 from server.routes.docs import ERRORS
@@ -53,7 +53,7 @@ async def create_embeddings(
                        deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name,
                        max_tokens=0, forward=forwarded(request))
         ask.path = "/v1/embeddings"
-        gen = await admit(request, gw, principal, model, ask, session_of(request, body.user))
+        gen = await admit_relay(request, gw, principal, model, ask, session_of(request, body.user))
         return await relay_response(request, gen)
     await until_disconnect(request, pool.ensure_started())  # an engine started on first use: ~20 s on CPU
     card = pool.card

@@ -27,10 +27,10 @@ from engine_adapter.types import EngineOutput, GenerationRequest, SamplingOption
 from server.auth import Principal
 from server.deps import AuthDep, GatewayDep
 from server.errors import tgi_error_event
-from server.generation import Key, admit, forwarded, json_response, prepared, session_of, stream_response
+from server.generation import admit_local, admit_relay, forwarded, json_response, prepared, session_of, stream_response
 from server.protocol_generate import GenerateRequest, TgiGenerateRequest, VllmGenerateRequest
 from server.relay_apis import ApiAsk, relayed_response
-from server.render import Choice
+from server.render import Choice, Key
 from server.routes.generate_relay import TgiView, VllmView, estimate_tgi, estimate_vllm, tgi_completion, vllm_completion
 from server.state import Gateway, ServedModel
 from server.validation import budget, deadline_after, new_id, sampling_options
@@ -60,12 +60,12 @@ async def generate(body: GenerateRequest, request: Request, gw: GatewayDep, prin
     if target.pool.relays:  # upstream nodes: passed through, or translated to completions for them
         ask = _relay_ask(request, gw, principal, "generate", "/generate", vllm_completion(body), body.stream,
                          body.max_tokens, principal.priority_for(body.priority, "priority" in body.model_fields_set))
-        gen = await admit(request, gw, principal, target, await ask, session_of(request, body.user))
-        return await relayed_response(request, gen, "/generate", VllmView(body.prompt), stream=body.stream,
+        relayed = await admit_relay(request, gw, principal, target, await ask, session_of(request, body.user))
+        return await relayed_response(request, relayed, "/generate", VllmView(body.prompt), stream=body.stream,
                                       media_type="application/x-ndjson" if body.stream else "application/json",
                                       estimate=estimate_vllm)
     model, req = _vllm_request(body, gw, principal)
-    gen = await admit(request, gw, principal, model, prepared(request, [req]), session_of(request, body.user))
+    gen = await admit_local(request, gw, principal, model, prepared(request, [req]), session_of(request, body.user))
     texts: dict[int, list[str]] = {i: [] for i in range(req.sampling.n)}
     prompt = body.prompt
 
@@ -201,15 +201,11 @@ async def _relay_ask(
     stream: bool, max_tokens: int | None, priority: int,
 ) -> ApiAsk:
     return ApiAsk(
-        await request.body(), gw=gw, api=api, path=path, via="/v1/completions", build=_no_local,
+        await request.body(), gw=gw, api=api, path=path, via="/v1/completions",
         translate=lambda: completion, request_id=new_id("gen"), stream=stream, want_usage=False, priority=priority,
         deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name, max_tokens=max_tokens,
         forward=forwarded(request),
     )
-
-
-def _no_local(pool: Any) -> list[GenerationRequest]:
-    raise InvalidRequest("this model is served by upstream nodes only")
 
 
 async def _tgi(body: TgiGenerateRequest, request: Request, gw: Gateway, principal: Principal, stream: bool) -> Response:
@@ -219,10 +215,11 @@ async def _tgi(body: TgiGenerateRequest, request: Request, gw: Gateway, principa
         path = "/generate_stream" if stream else "/generate"
         ask = _relay_ask(request, gw, principal, "tgi", path, tgi_completion(body), stream, p.max_new_tokens,
                          principal.priority_for(0, False))
-        gen = await admit(request, gw, principal, target, await ask, session_of(request, None))
-        return await relayed_response(request, gen, path, TgiView(gen, body), stream=stream, estimate=estimate_tgi)
+        relayed = await admit_relay(request, gw, principal, target, await ask, session_of(request, None))
+        return await relayed_response(request, relayed, path, TgiView(relayed, body), stream=stream,
+                                      estimate=estimate_tgi)
     model, req = _tgi_request(body, gw, principal, stream)
-    gen = await admit(request, gw, principal, model, prepared(request, [req]), session_of(request, None))
+    gen = await admit_local(request, gw, principal, model, prepared(request, [req]), session_of(request, None))
     prefix = body.inputs if p.return_full_text else ""
     top_n = bool(p.top_n_tokens)
 

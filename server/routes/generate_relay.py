@@ -16,7 +16,7 @@ import orjson
 from engine_adapter.errors import GatewayError
 from engine_adapter.types import RelayCall
 from server.errors import tgi_error_event
-from server.generation import Generation
+from server.generation import RelayGeneration
 from server.protocol_generate import TgiGenerateRequest, VllmGenerateRequest
 
 UNKNOWN_ID = -1
@@ -77,7 +77,7 @@ class TgiView:
     """Completion chunks -> TGI's answer, or its token events (one per
     chunk; the last one with the whole text)."""
 
-    def __init__(self, gen: Generation, body: TgiGenerateRequest) -> None:
+    def __init__(self, gen: RelayGeneration, body: TgiGenerateRequest) -> None:
         self.gen = gen
         self.p = body.parameters
         self.prefix = body.inputs if self.p.return_full_text else ""

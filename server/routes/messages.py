@@ -13,25 +13,30 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from engine_adapter.errors import EngineError, GatewayError, InvalidRequest
-from engine_adapter.types import GenerationRequest
-from server.auth import Principal
-from server.chat_bridge import as_chat, prepare
+from engine_adapter.errors import EngineError, GatewayError
+from server.chat_bridge import BridgedAsk, as_chat
 from server.deps import AuthDep, GatewayDep
 from server.errors import anthropic_error_event
-from server.generation import Generation, Key, admit, forwarded, json_response, prepared, session_of, stream_response
+from server.generation import (
+    AnyGeneration,
+    RelayGeneration,
+    admit,
+    admit_relay,
+    forwarded,
+    json_response,
+    session_of,
+    stream_response,
+)
 from server.protocol_anthropic import CountTokensRequest, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
 from server.relay_apis import ApiAsk, relayed_response
-from server.render import ChatDeltaView, Choice
+from server.render import ChatDeltaView, Choice, Key
 from server.routes.docs import JSON_OR_SSE
-from server.state import Gateway
 from server.tools import ToolPlan, ToolStreamer, plan_tools
 from server.validation import chat_prompt, deadline_after, new_id
 
@@ -108,20 +113,26 @@ async def create_message(body: MessagesRequest, request: Request, gw: GatewayDep
         logger.debug("ignoring unknown fields: %s", ", ".join(body.unknown_fields()))
     fields = chat_fields(body)
     chat = as_chat(fields, _PARAMS)
-    user = body.metadata.user_id if body.metadata else None
     model = gw.resolve(chat.model)
-    if model.pool.relays:  # upstream nodes: passed through, or translated to chat for them
-        principal.check_model(model.id)
-        rid = new_id("msg")
-        ask = _relay_ask(request, gw, principal, "messages", "/v1/messages", "/v1/chat/completions", lambda: fields,
-                         rid, body.stream, body.max_tokens, body.priority, "priority" in body.model_fields_set)
-        gen = await admit(request, gw, principal, model, await ask, session_of(request, user))
+    principal.check_model(model.id)
+    rid = new_id("msg")
+    # a local engine: the chat translation, built as chat's; upstream nodes: passed through, or that
+    # translation sent to their chat completions
+    ask = BridgedAsk(
+        chat, await request.body(), params=_PARAMS, gw=gw, api="messages", path="/v1/messages",
+        via="/v1/chat/completions", translate=lambda: fields, request_id=rid, stream=body.stream, want_usage=False,
+        priority=principal.priority_for(body.priority, "priority" in body.model_fields_set),
+        deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name,
+        max_tokens=body.max_tokens, forward=forwarded(request),
+    )
+    if not model.pool.relays:
+        ask.local(model.pool, model.id)  # a bad request is a 400 before admission
+    user = body.metadata.user_id if body.metadata else None
+    gen = await admit(request, gw, principal, model, ask, session_of(request, user))
+    if isinstance(gen, RelayGeneration):
         view = _Messages(gen, ToolPlan(), rid, late_usage=True)
         return await relayed_response(request, gen, "/v1/messages", view, stream=body.stream)
-    plan = prepare(gw, principal, chat, id_prefix="msg", priority=body.priority,
-                   explicit_priority="priority" in body.model_fields_set, params=_PARAMS)
-    gen = await admit(request, gw, principal, plan.model, prepared(request, [plan.request]), session_of(request, user))
-    view = _Messages(gen, plan.tools, plan.request.request_id)
+    view = _Messages(gen, ask.plan, rid)
     if body.stream:
         return stream_response(gen, view.render, view.tail, gw.settings.sse_keep_alive_interval,
                                head=view.head, on_error=anthropic_error_event, ping=PING)
@@ -138,9 +149,13 @@ async def count_tokens(body: CountTokensRequest, request: Request, gw: GatewayDe
         rid = new_id("count")
         tokenize = {k: v for k, v in fields.items() if k in ("messages", "tools", "add_generation_prompt",
                                                              "continue_final_message")}
-        ask = _relay_ask(request, gw, principal, "count_tokens", "/v1/messages/count_tokens", "/tokenize",
-                         lambda: tokenize, rid, False, 0, 0, False, via_stream=False)
-        gen = await admit(request, gw, principal, model, await ask, None)
+        ask = ApiAsk(
+            await request.body(), gw=gw, api="count_tokens", path="/v1/messages/count_tokens", via="/tokenize",
+            translate=lambda: tokenize, via_stream=False, request_id=rid, stream=False, want_usage=False,
+            priority=principal.priority_for(0, False), deadline=deadline_after(gw.settings.request_timeout),
+            api_key_name=principal.name, max_tokens=0, forward=forwarded(request),
+        )
+        gen = await admit_relay(request, gw, principal, model, ask, None)
         return await relayed_response(request, gen, "/v1/messages/count_tokens", _Counted(gen), stream=False)
     tok = model.pool.tokenizer
     plan = plan_tools(chat, tok)
@@ -148,27 +163,10 @@ async def count_tokens(body: CountTokensRequest, request: Request, gw: GatewayDe
     return Response(orjson.dumps({"input_tokens": len(ids)}), media_type="application/json")
 
 
-async def _relay_ask(
-    request: Request, gw: Gateway, principal: Principal, api: str, path: str, via: str,
-    translate: Callable[[], dict[str, Any]], rid: str, stream: bool, max_tokens: int, priority: int,
-    explicit: bool, via_stream: bool = True,
-) -> ApiAsk:
-    return ApiAsk(
-        await request.body(), gw=gw, api=api, path=path, via=via, build=_no_local, translate=translate,
-        via_stream=via_stream, request_id=rid, stream=stream, want_usage=False,
-        priority=principal.priority_for(priority, explicit), deadline=deadline_after(gw.settings.request_timeout),
-        api_key_name=principal.name, max_tokens=max_tokens, forward=forwarded(request),
-    )
-
-
-def _no_local(pool: Any) -> list[GenerationRequest]:
-    raise InvalidRequest("this model is served by upstream nodes only")
-
-
 class _Counted:
     """A node's /tokenize answer as count_tokens' (a translated call)."""
 
-    def __init__(self, gen: Generation) -> None:
+    def __init__(self, gen: RelayGeneration) -> None:
         self.gen = gen
         self.count = 0
 
@@ -228,7 +226,7 @@ def _stop(finish_reason: str | None, stop_reason: str | int | None) -> tuple[str
 class _Messages(ChatDeltaView):
     """Engine deltas -> a message, or Anthropic's event stream."""
 
-    def __init__(self, gen: Generation, plan: ToolPlan, rid: str, late_usage: bool = False) -> None:
+    def __init__(self, gen: AnyGeneration, plan: ToolPlan, rid: str, late_usage: bool = False) -> None:
         self.gen = gen
         self.plan = plan
         self.id = rid.replace("msg-", "msg_", 1)

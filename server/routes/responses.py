@@ -19,17 +19,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from starlette.responses import Response
 
-from engine_adapter.errors import InvalidRequest, NotFound
-from engine_adapter.types import GenerationRequest
-from server.auth import Principal
-from server.chat_bridge import as_chat, prepare
+from engine_adapter.errors import NotFound
+from server.chat_bridge import BridgedAsk, as_chat
 from server.deps import AuthDep, GatewayDep
-from server.generation import admit, forwarded, json_response, prepared, session_of, stream_response
+from server.generation import RelayGeneration, admit, forwarded, json_response, session_of, stream_response
 from server.protocol_responses import InputItemsQuery, ResponsesRequest
-from server.relay_apis import ApiAsk, relayed_response
+from server.relay_apis import relayed_response
 from server.routes.docs import ERRORS, JSON_OR_SSE
 from server.routes.responses_render import ResponsesView, _hex
-from server.state import Gateway
 from server.store import ResponseStore, StoredResponse
 from server.tools import ToolPlan
 from server.validation import deadline_after, new_id
@@ -161,44 +158,30 @@ async def create_response(
     items = input_items(body)
     fields = _chat_fields(body, chat_messages([*before, *items]))
     chat = as_chat(fields, _PARAMS)
-    session = session_of(request, body.user)
-    if relays:
-        return await _relayed(body, request, gw, principal, store, owner, items, before, fields, chained, session)
-    plan = prepare(gw, principal, chat, id_prefix="resp", priority=body.priority,
-                   explicit_priority="priority" in body.model_fields_set, params=_PARAMS)
-    gen = await admit(request, gw, principal, plan.model, prepared(request, [plan.request]), session)
-    view = ResponsesView(gen, plan.tools, body, store, owner, items, before, plan.request.request_id)
+    principal.check_model(model.id)
+    rid = new_id("resp")
+    # a local engine: the chat translation, built as chat's; upstream nodes: passed through to those that
+    # serve the Responses API (they store the response, not the gateway), else translated to chat (stored
+    # here, as a local one). A chain stored here (`chained`) is always translated: nodes cannot continue it.
+    ask = BridgedAsk(
+        chat, await request.body(), params=_PARAMS, gw=gw, api="responses", path="/v1/responses",
+        via="/v1/chat/completions", translate=lambda: fields, native=not chained, request_id=rid,
+        stream=body.stream, want_usage=False,
+        priority=principal.priority_for(body.priority, "priority" in body.model_fields_set),
+        deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name,
+        max_tokens=body.max_output_tokens, forward=forwarded(request),
+    )
+    if not relays:
+        ask.local(model.pool, model.id)  # a bad request is a 400 before admission
+    gen = await admit(request, gw, principal, model, ask, session_of(request, body.user))
+    if isinstance(gen, RelayGeneration):
+        view = ResponsesView(gen, ToolPlan(), body, store, owner, items, before, rid)
+        return await relayed_response(request, gen, "/v1/responses", view, stream=body.stream)
+    view = ResponsesView(gen, ask.plan, body, store, owner, items, before, rid)
     if body.stream:
         return stream_response(gen, view.render, view.tail, gw.settings.sse_keep_alive_interval,
                                head=view.head, on_error=view.failed)
     return await json_response(request, gen, view.answer)
-
-
-async def _relayed(
-    body: ResponsesRequest, request: Request, gw: Gateway, principal: Principal, store: ResponseStore, owner: str,
-    items: list[dict[str, Any]], before: list[dict[str, Any]], fields: dict[str, Any], chained: bool,
-    session: str | None,
-) -> Response:
-    """Upstream nodes: passed through to those that serve the Responses API
-    (they store the response, not the gateway), else translated to chat
-    (stored here, as a local one)."""
-    model = gw.resolve(body.model)
-    principal.check_model(model.id)
-    rid = new_id("resp")
-    ask = ApiAsk(
-        await request.body(), gw=gw, api="responses", path="/v1/responses", via="/v1/chat/completions",
-        build=_no_local, translate=lambda: fields, native=not chained, request_id=rid, stream=body.stream,
-        want_usage=False, priority=principal.priority_for(body.priority, "priority" in body.model_fields_set),
-        deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name,
-        max_tokens=body.max_output_tokens, forward=forwarded(request),
-    )
-    gen = await admit(request, gw, principal, model, ask, session)
-    view = ResponsesView(gen, ToolPlan(), body, store, owner, items, before, rid)
-    return await relayed_response(request, gen, "/v1/responses", view, stream=body.stream)
-
-
-def _no_local(pool: Any) -> list[GenerationRequest]:
-    raise InvalidRequest("this model is served by upstream nodes only")
 
 
 @router.get("/v1/responses/{response_id}", response_model=None, responses=JSON)

@@ -11,9 +11,9 @@ import orjson
 
 from engine_adapter.errors import GatewayError
 from server.errors import kind_of
-from server.generation import Generation, Key
+from server.generation import AnyGeneration
 from server.protocol_responses import ResponsesRequest
-from server.render import ChatDeltaView, Choice
+from server.render import ChatDeltaView, Choice, Key
 from server.store import ResponseStore, StoredResponse
 from server.tools import ToolPlan, ToolStreamer
 
@@ -26,7 +26,7 @@ class ResponsesView(ChatDeltaView):
     """Engine deltas -> a response object, or its event stream; the finished
     response is stored when `store` is set."""
 
-    def __init__(self, gen: Generation, plan: ToolPlan, body: ResponsesRequest, store: ResponseStore, owner: str,
+    def __init__(self, gen: AnyGeneration, plan: ToolPlan, body: ResponsesRequest, store: ResponseStore, owner: str,
                  items: list[dict[str, Any]], before: list[dict[str, Any]], rid: str) -> None:
         self.gen = gen
         self.plan = plan

@@ -24,6 +24,10 @@ from sim_app import serve
 from support import metric_value
 
 from engine_adapter.apis import apis_from_openapi
+from engine_adapter.backends.remote import build_remote_pool
+from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
+from engine_adapter.pool import WorkerPool
+from engine_adapter.routing.upstream import UpstreamConfig
 from server.settings import Settings
 
 ALL = ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/generate", "/generate_stream")
@@ -356,3 +360,39 @@ async def test_a_node_without_the_apis_gets_them_translated(plain: ApiNode) -> N
         assert r.status_code == 400 and r.json()["type"] == "error" and "node says no" in r.json()["error"]["message"]
         r = await client.post("/generate", json=tgi)
         assert r.status_code == 400 and r.json()["error_type"] == "validation"
+
+
+@pytest.mark.asyncio
+async def test_an_alias_of_a_local_engine_and_nodes_takes_the_form_of_the_target_it_picks(native: ApiNode) -> None:
+    """Responses and Messages bind late, as chat does: on an alias whose
+    targets mix a local engine and upstream nodes, the target admission
+    picks decides whether the request is tokenized here or passed through
+    (it was tokenized up front, and an upstream target refused it)."""
+    local = WorkerPool("sim", lambda i: SimulatedEngine(SimulatedConfig(max_model_len=256), name="sim"),
+                       readiness_interval=60)
+    nodes = build_remote_pool(UpstreamConfig(name="remote", urls=(native.url,), health_interval=60),
+                              readiness_interval=3600, probe_timeout=0.5)
+    settings = Settings(alias=["to-node=remote:1,sim:0", "to-sim=sim:1,remote:0"], readiness_interval=1)
+    async with serve([(local, ("sim",), "sim"), (nodes, ("remote",), "remote")], settings) as (client, _):
+        oai = openai.AsyncOpenAI(base_url=f"{str(client.base_url).rstrip('/')}/v1", api_key="x", max_retries=0)
+        claude = anthropic.AsyncAnthropic(base_url=str(client.base_url), api_key="x", max_retries=0)
+        try:
+            msgs: Any = [{"role": "user", "content": "Hi"}]
+            r = await oai.responses.create(model="to-node", input="Hi")
+            assert native.calls[-1][:2] == ("/v1/responses", {"model": "node-model", "input": "Hi"})
+            assert r.model == "remote" and r.output_text == "Hi there"
+            m = await claude.messages.create(model="to-node", max_tokens=10, messages=msgs)
+            assert native.calls[-1][:2] == ("/v1/messages", {"model": "node-model", "max_tokens": 10, "messages": msgs})
+            assert m.model == "remote" and m.content[0].text == "Hi there"  # type: ignore[union-attr]
+            seen = len(native.calls)
+            r = await oai.responses.create(model="to-sim", input="Hi", max_output_tokens=4)
+            m = await claude.messages.create(model="to-sim", max_tokens=4, messages=msgs)
+            assert len(native.calls) == seen  # the local engine answered both
+            assert r.model == "sim" and r.usage is not None and r.usage.output_tokens == 4
+            assert m.model == "sim" and m.usage.output_tokens == 4
+            with pytest.raises(anthropic.BadRequestError) as e:  # validated with the local tokenizer before admission
+                await claude.messages.create(model="to-sim", max_tokens=1000, messages=msgs)
+            assert e.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+        finally:
+            await oai.close()
+            await claude.close()

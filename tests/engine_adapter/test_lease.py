@@ -1,19 +1,21 @@
 """engine_adapter/lease.py on its own: `merge` (tags, interleaving, the
-first error wins, leaving early closes every stream) and PoolLease, the only
-part that gives a slot back (each run's slot when that run ends, every held
-slot however the lease ends)."""
+first error wins, leaving early closes every stream), PoolLease and
+PoolRelayLease, the only parts that give a slot back (each run's slot when
+that run ends, every held slot however the lease ends; a relay's slot once),
+and the two lease kinds told apart by type."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from engine_adapter.errors import EngineError
-from engine_adapter.lease import Batch, PoolLease, Slot, merge
-from engine_adapter.types import GenerationRequest, SamplingOptions
+from engine_adapter.lease import Batch, LocalLease, PoolLease, PoolRelayLease, RelayLease, Slot, merge
+from engine_adapter.types import GenerationRequest, RelayCall, RelayUsage, SamplingOptions
 
 
 class Source:
@@ -84,14 +86,11 @@ class Lease:
         self.slots = {rid: Slot(worker=None) for rid in runs}  # type: ignore[arg-type]
         held = [(GenerationRequest(request_id=rid, model="m", prompt_token_ids=(1, 2), sampling=SamplingOptions(max_tokens=4)), slot)
                 for rid, slot in self.slots.items()]
-        self.lease = PoolLease("m", held, self._run, self._relay, self._release)  # type: ignore[arg-type]
+        self.lease = PoolLease("m", held, self._run, self._release)
         self.by_slot = {id(slot): rid for rid, slot in self.slots.items()}
 
     def _run(self, slot: Slot, req: GenerationRequest, idle_tick: float | None) -> AsyncGenerator[Batch, None]:
         return self.runs[req.request_id].run()
-
-    def _relay(self, slot: Slot, call: Any) -> AsyncGenerator[Any, None]:
-        raise AssertionError("not a relayed lease")
 
     def _release(self, slot: Slot) -> None:
         if not slot.released:
@@ -126,3 +125,55 @@ async def test_a_lease_released_before_it_streams_gives_every_slot_back() -> Non
     fake.lease.release()
     assert sorted(fake.released) == ["a", "b"]
     assert [item async for item in fake.lease.stream()] == []  # nothing left to run
+
+
+class RelayFake:
+    """A PoolRelayLease over one fake slot whose node answers `items`."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+        self.released = 0
+        opened = SimpleNamespace(ep=SimpleNamespace(url="http://node:8000"))  # a node's accepted call (remote.py)
+        self.slot = Slot(worker=None, opened=opened)  # type: ignore[arg-type]
+        call = RelayCall(request_id="r", model="m", path="/v1/chat/completions", body={}, stream=True)
+        self.lease = PoolRelayLease(call, self.slot, self._relay, self._release)
+
+    async def _relay(self, slot: Slot, call: RelayCall) -> AsyncGenerator[Any, None]:
+        assert slot is self.slot
+        for item in self.items:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _release(self, slot: Slot) -> None:
+        self.released += 1
+
+
+def test_the_lease_kinds_are_told_apart_by_type() -> None:
+    local = Lease({"a": Source([["a1"]])}).lease
+    relay = RelayFake([]).lease
+    assert isinstance(local, LocalLease) and not isinstance(local, RelayLease)
+    assert isinstance(relay, RelayLease) and not isinstance(relay, LocalLease)
+    assert relay.served_by == "m" and relay.call.request_id == "r" and relay.upstream == "http://node:8000"
+
+
+@pytest.mark.asyncio
+async def test_a_relay_gives_its_slot_back_once_when_it_ends() -> None:
+    fake = RelayFake([b"data: 1\n\n", RelayUsage(3, 1), b"data: [DONE]\n\n"])
+    assert [i async for i in fake.lease.relay()] == [b"data: 1\n\n", RelayUsage(3, 1), b"data: [DONE]\n\n"]
+    assert fake.released == 1
+    fake.lease.release()  # idempotent: the slot went back already
+    assert fake.released == 1 and [i async for i in fake.lease.relay()] == []
+
+
+@pytest.mark.asyncio
+async def test_a_relay_that_fails_or_never_starts_gives_its_slot_back() -> None:
+    failing = RelayFake([b"data: 1\n\n", EngineError("node died")])
+    with pytest.raises(EngineError, match="node died"):
+        async for _ in failing.lease.relay():
+            pass
+    assert failing.released == 1
+    unused = RelayFake([b"never"])
+    unused.lease.release()
+    unused.lease.release()
+    assert unused.released == 1 and [i async for i in unused.lease.relay()] == []

@@ -14,25 +14,30 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from engine_adapter.errors import EngineError, InvalidRequest, QueueFull, ServiceUnavailable
-from engine_adapter.lease import Relayed, Tagged
+from engine_adapter.lease import LocalLease, Relayed, RelayLease, Tagged
 from engine_adapter.routing.metrics import RoutingMetrics
-from engine_adapter.routing.router import Router
+from engine_adapter.routing.router import Router, RouterLocalLease, RouterRelayLease
 from engine_adapter.routing.spec import CanaryPolicy, RouteSpec
-from engine_adapter.types import EngineOutput, GenerationRequest, SamplingOptions
+from engine_adapter.types import EngineOutput, GenerationRequest, RelayCall, SamplingOptions
 
 
 def out(text: str) -> EngineOutput:
     return EngineOutput(request_id="r", text=text, token_ids=(1,))
 
 
-class FakeLease:
+class FakeLease(LocalLease):
     def __init__(self, name: str, outputs: list[EngineOutput | Exception]) -> None:
-        self.served_by = name
-        self.requests: list[Any] = []
-        self.relayed = False
-        self.upstream = None
+        self.name = name
         self.outputs = outputs
         self.released = 0
+
+    @property
+    def served_by(self) -> str:
+        return self.name
+
+    @property
+    def requests(self) -> list[GenerationRequest]:
+        return []
 
     async def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]:
         for o in self.outputs:
@@ -40,29 +45,60 @@ class FakeLease:
                 raise o
             yield 0, [o]
 
+    def release(self) -> None:
+        self.released += 1
+
+
+class FakeRelayLease(RelayLease):
+    """A call a node accepted: it answers `items` (an exception is raised)."""
+
+    def __init__(self, name: str, items: list[bytes | Exception]) -> None:
+        self.name = name
+        self.items = items
+        self.released = 0
+
+    @property
+    def served_by(self) -> str:
+        return self.name
+
+    @property
+    def call(self) -> RelayCall:
+        return RelayCall(request_id="r", model=self.name, path="/v1/chat/completions", body={}, stream=True)
+
+    @property
+    def upstream(self) -> str | None:
+        return f"http://{self.name}"
+
     async def relay(self) -> AsyncGenerator[Relayed, None]:
-        raise AssertionError("not a relay")
-        yield b""  # pragma: no cover
+        for item in self.items:
+            if isinstance(item, Exception):
+                raise item
+            yield item
 
     def release(self) -> None:
         self.released += 1
 
 
 class FakePool:
-    """A target: refuses admission with `refuse`, else leases `outputs`."""
+    """A target: refuses admission with `refuse`, else leases `outputs`
+    (local), or with `relays` relays them (upstream nodes: bytes)."""
 
-    relays = False
-
-    def __init__(self, name: str, refuse: Exception | None = None, outputs: list[Any] | None = None) -> None:
+    def __init__(self, name: str, refuse: Exception | None = None, outputs: list[Any] | None = None,
+                 relays: bool = False) -> None:
         self.name = name
         self.refuse = refuse
-        self.outputs = outputs if outputs is not None else [out(name)]
-        self.leases: list[FakeLease] = []
+        self.relays = relays
+        self.outputs = outputs if outputs is not None else [name.encode() if relays else out(name)]
+        self.leases: list[FakeLease | FakeRelayLease] = []
 
-    async def acquire(self, ask: Any, session: str | None = None, model: str | None = None) -> FakeLease:
+    async def acquire(
+        self, ask: Any, session: str | None = None, model: str | None = None
+    ) -> FakeLease | FakeRelayLease:
         if self.refuse is not None:
             raise self.refuse
-        lease = FakeLease(model or self.name, self.outputs)
+        lease: FakeLease | FakeRelayLease = (
+            FakeRelayLease(model or self.name, self.outputs) if self.relays else FakeLease(model or self.name, self.outputs)
+        )
         self.leases.append(lease)
         return lease
 
@@ -129,6 +165,47 @@ async def test_failure_before_the_first_output_moves_on_but_not_after_it() -> No
         async for _, batch in lease.stream():
             got.extend(o.text for o in batch)
     assert got == ["a1"] and late["b"].leases == []
+
+
+@pytest.mark.asyncio
+async def test_the_lease_is_of_the_kind_of_the_target_that_admits() -> None:
+    pools = {"local": FakePool("local", refuse=QueueFull("full")), "nodes": FakePool("nodes", relays=True)}
+    r = router(pools, [("local", 1)], ["nodes"])
+    lease = await r.acquire(ask())  # the local target is full: admission moves on to the nodes
+    assert isinstance(lease, RouterRelayLease) and lease.served_by == "nodes"
+    assert [i async for i in lease.relay()] == [b"nodes"] and lease.call.model == "nodes"
+    assert lease.upstream == "http://nodes"
+    pools["local"].refuse = None
+    assert isinstance(await r.acquire(ask()), RouterLocalLease)
+
+
+@pytest.mark.asyncio
+async def test_a_relay_failing_before_its_first_byte_moves_on_to_the_next_nodes() -> None:
+    pools = {"a": FakePool("a", relays=True, outputs=[EngineError("node died")]), "b": FakePool("b", relays=True)}
+    lease = await router(pools, [("a", 1)], ["b"]).acquire(ask())
+    assert isinstance(lease, RouterRelayLease)
+    assert [i async for i in lease.relay()] == [b"b"]
+    assert lease.served_by == "b" and pools["a"].leases[0].released >= 1
+
+
+@pytest.mark.asyncio
+async def test_a_lease_never_changes_kind_after_admission() -> None:
+    """A local stream that fails before its first token is not handed to
+    upstream nodes (nor a relay to a local engine): the first error stands,
+    and the lease the next target gave is released at once."""
+    pools = {"a": FakePool("a", outputs=[EngineError("died")]), "nodes": FakePool("nodes", relays=True)}
+    lease = await router(pools, [("a", 1)], ["nodes"]).acquire(ask())
+    assert isinstance(lease, RouterLocalLease)
+    with pytest.raises(EngineError, match="died"):
+        await texts(lease)
+    assert lease.served_by == "a" and pools["nodes"].leases[0].released == 1
+
+    back = {"nodes": FakePool("nodes", relays=True, outputs=[EngineError("gone")]), "b": FakePool("b")}
+    relay = await router(back, [("nodes", 1)], ["b"]).acquire(ask())
+    assert isinstance(relay, RouterRelayLease)
+    with pytest.raises(EngineError, match="gone"):
+        [i async for i in relay.relay()]
+    assert back["b"].leases[0].released == 1
 
 
 @pytest.mark.asyncio

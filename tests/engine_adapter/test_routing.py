@@ -24,7 +24,7 @@ from support import free_port, wait_until
 from engine_adapter.backends.remote import build_remote_pool
 from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
 from engine_adapter.errors import EngineError, QueueFull
-from engine_adapter.lease import Prepared
+from engine_adapter.lease import Prepared, RelayLease
 from engine_adapter.pool import WorkerPool
 from engine_adapter.routing import (
     CanaryPolicy,
@@ -273,7 +273,7 @@ async def run_any(t: RoutingTable, alias: str, rid: str) -> str:
     """Through an alias whose targets may be local or remote: who answered."""
     lease = await t.routers[alias].acquire(Both(rid))
     try:
-        if lease.relayed:
+        if isinstance(lease, RelayLease):
             assert [i async for i in lease.relay()]
         else:
             outs = [o async for _, batch in lease.stream() if batch for o in batch]

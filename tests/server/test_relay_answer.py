@@ -16,27 +16,36 @@ from starlette.requests import Request
 from starlette.types import Message
 
 from engine_adapter.errors import EngineError, GatewayError, RequestTimeout
-from engine_adapter.lease import Relayed
+from engine_adapter.lease import Relayed, RelayLease
 from engine_adapter.types import RelayCall, RelayUsage
 from server.disconnect import Watch, until_disconnect
 from server.errors import ClientDisconnected, anthropic_error_event
-from server.generation import Generation
+from server.generation import RelayGeneration
 from server.relay import RelayAnswer, deltas
 from server.state import ServedModel
 
 
-class Lease:
+class Lease(RelayLease):
     """A relayed lease whose node answers `items` (an exception is raised
     there; a float is a pause)."""
 
     def __init__(self, items: list[Any], path: str = "/v1/chat/completions", stream: bool = True) -> None:
         self.items = items
-        self.requests = [RelayCall(request_id="r", model="m", path=path, body={}, stream=stream)]
-        self.served_by = "m"
-        self.relayed = True
-        self.upstream = "http://node"
+        self._call = RelayCall(request_id="r", model="m", path=path, body={}, stream=stream)
         self.released = 0
         self.closed = False
+
+    @property
+    def served_by(self) -> str:
+        return "m"
+
+    @property
+    def call(self) -> RelayCall:
+        return self._call
+
+    @property
+    def upstream(self) -> str | None:
+        return "http://node"
 
     async def relay(self) -> AsyncGenerator[Relayed, None]:
         try:
@@ -69,9 +78,9 @@ class Pool:
     relays = True
 
 
-def generation(lease: Lease) -> tuple[Generation, Admission]:
+def generation(lease: Lease) -> tuple[RelayGeneration, Admission]:
     adm = Admission()
-    return Generation(ServedModel("m", Pool(), "m"), lease, adm, {}), adm  # type: ignore[arg-type]
+    return RelayGeneration(ServedModel("m", Pool(), "m"), lease, adm, {}), adm  # type: ignore[arg-type]
 
 
 class Client:
