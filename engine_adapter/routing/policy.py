@@ -119,6 +119,10 @@ class RoutingPolicy:
     def observe(self, engine: int, token_ids: Sequence[int], cached_tokens: int) -> None:
         """`engine` reported `cached_tokens` of a routed prompt from its prefix cache."""
 
+    def settle(self, engine: int, token_ids: Sequence[int]) -> None:
+        """A request routed to `engine` ended before its first output (error,
+        cancel, abort, never run)."""
+
     async def close(self) -> None:
         """Stop what the policy runs in the background."""
 
