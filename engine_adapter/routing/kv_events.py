@@ -22,7 +22,8 @@ Decisions on the index count as `kv_hit`, on the guess as `prefix_hit`.
 Blocks the engine will store count as held: each index keeps a pending
 overlay (kv_index.PendingBlocks) of the blocks of requests routed to that
 engine and not answered yet, added at the decision, removed by the
-request's first output (`observe`) or its end without one (`settle`), by
+request's first output (`observe`) or its end without one (`settle`; a
+relayed call to a node: its end, `settle_key`), by
 the BlockStored that names them, by age or size, and with the index. Under
 load a request waits in the engine's queue; a later request with the same
 prefix, routed meanwhile, goes to the same engine and is predicted to find
@@ -427,6 +428,11 @@ class KvEventsPolicy(PrefixPolicy):
         idx = self.indexes.get(engine)
         if idx is not None and idx.pending.entries:
             idx.pending.settle(hash(tuple(token_ids)))
+
+    def settle_key(self, engine: int, key: RouteKey) -> None:
+        idx = self.indexes.get(engine)
+        if isinstance(key, KvRouteKey) and key.kv and idx is not None and idx.pending.entries:
+            idx.pending.settle(key.fingerprint)
 
     def observe(self, engine: int, token_ids: Sequence[int], cached_tokens: int) -> None:
         fp = hash(tuple(token_ids))

@@ -123,6 +123,9 @@ class RoutingPolicy:
         """A request routed to `engine` ended before its first output (error,
         cancel, abort, never run)."""
 
+    def settle_key(self, engine: int, key: RouteKey) -> None:
+        """A call relayed to upstream node `engine` by `key` ended (however)."""
+
     async def close(self) -> None:
         """Stop what the policy runs in the background."""
 

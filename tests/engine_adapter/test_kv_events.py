@@ -590,3 +590,16 @@ def test_an_overlay_miss_has_its_own_cause_and_gauge() -> None:
     assert metric_value(text, "npugw_kv_predictions_total", model="smol", outcome="over", cause="pending") == 1
     assert metric_value(text, "npugw_kv_predictions_total", model="smol", outcome="over", cause="unexplained") == 0
     assert metric_value(text, "npugw_kv_index_pending_blocks", model="smol", engine="0") == 0
+
+
+def test_a_relayed_call_settles_by_its_key() -> None:
+    """Upstream nodes: the front never reads the answer; the call's end
+    (RemoteEngine's Opened.close) settles its pending blocks by its key."""
+    a = META["prompts"]["A"]
+    p = policy()
+    feed(p, 0, 2)
+    key = p.key_for_tokens(a, None)
+    p.choose([0], [0], key)
+    assert len(p.indexes[0].pending) == 5
+    p.settle_key(0, key)
+    assert not p.indexes[0].pending and not p.indexes[0].pending.entries
