@@ -435,8 +435,10 @@ class KvEventsPolicy(PrefixPolicy):
             idx.pending.settle(key.fingerprint)
 
     def observe(self, engine: int, token_ids: Sequence[int], cached_tokens: int) -> None:
-        fp = hash(tuple(token_ids))
         idx = self.indexes.get(engine)
+        if not self._pending and (idx is None or not idx.pending.entries):
+            return
+        fp = hash(tuple(token_ids))
         if idx is not None and idx.pending.entries:
             idx.pending.settle(fp)  # prefilled: its blocks are stored (their BlockStored may still be coming)
         if not self._pending:
