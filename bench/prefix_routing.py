@@ -88,8 +88,9 @@ from _common import (
 POLICIES = ("least-outstanding", "prefix", "kv-events")
 # the kv-events index's predictions of the cached tokens (npugw_kv_predictions_total{outcome, cause}):
 # a miss with cause evicted/stored is one the engine's own events explain by a change between the
-# routing decision and the engine's cache lookup
-OUTCOMES = (("right", "none"), ("over", "evicted"), ("over", "unexplained"), ("under", "stored"),
+# routing decision and the engine's cache lookup; (over, pending): a block counted from the pending
+# overlay (requests routed before) that the engine had not stored
+OUTCOMES = (("right", "none"), ("over", "evicted"), ("over", "pending"), ("over", "unexplained"), ("under", "stored"),
             ("under", "unexplained"))
 WORDS = (
     "time year people way day man thing woman life child world school state family student group country "

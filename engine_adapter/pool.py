@@ -103,7 +103,8 @@ class WorkerPool:
             probe_timeout=probe_timeout, restart_backoff=restart_backoff,
         )
         self.runner = Runner(name, on_dead=self.supervisor.on_dead, accepting=lambda: self._accepting,
-                             observe=lambda i, tokens, cached: self.policy.observe(i, tokens, cached))
+                             observe=lambda i, tokens, cached: self.policy.observe(i, tokens, cached),
+                             settle=lambda i, tokens: self.policy.settle(i, tokens))
         self.admission = Admission(
             name, self.workers, pick=self._pick, accepting=lambda: self._accepting,
             max_queue_size=max_queue_size, max_queue_wait=max_queue_wait, policy=queue_policy,
@@ -348,7 +349,9 @@ class WorkerPool:
                 )
                 held.append((r, slot))
         except BaseException:
-            for _, slot in held:
+            for got, slot in held:
+                if keyed and isinstance(got, GenerationRequest):  # routed, never run
+                    self.policy.settle(slot.worker.index, got.prompt_token_ids)
                 self._release_slot(slot)
             raise
         return PoolLease(name, held, self.runner.run, self._release_slot)

@@ -34,6 +34,7 @@ class Runner:
         on_dead: Callable[[Worker, BaseException], None],
         accepting: Callable[[], bool],
         observe: Callable[[int, Sequence[int], int], None] = lambda index, tokens, cached: None,
+        settle: Callable[[int, Sequence[int]], None] = lambda index, tokens: None,
     ) -> None:
         self.name = name
         self._on_dead = on_dead
@@ -41,6 +42,8 @@ class Runner:
         # what the engine's prefix cache held for a request (its first output):
         # the routing policy's check of its prediction (kv-events)
         self._observe = observe
+        # a request that ended before its first output (error, cancel, abort)
+        self._settle = settle
         self._running = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -160,3 +163,6 @@ class Runner:
         except Exception as e:  # an engine bug must not hang the client
             logger.exception("%s worker %d: generate failed", self.name, w.index)
             put(EngineError(f"engine error: {type(e).__name__}"))
+        finally:
+            if first:
+                self._settle(w.index, req.prompt_token_ids)

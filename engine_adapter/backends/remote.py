@@ -52,6 +52,7 @@ from engine_adapter.errors import (
     UpstreamRejected,
 )
 from engine_adapter.pool import WorkerPool
+from engine_adapter.routing.policy import RouteKey
 from engine_adapter.routing.upstream import TIMEOUTS, Endpoint, Upstream, UpstreamConfig
 from engine_adapter.types import (
     EmbeddingRequest,
@@ -149,7 +150,7 @@ class RemoteEngine:
                 opts = body.get("stream_options")
                 body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
             ep.outstanding += 1
-            opened = Opened(self, ep, call, node_model)
+            opened = Opened(self, ep, call, node_model, key)
             try:
                 opened.resp, opened.body = await self._open_on(
                     ep, call, orjson.dumps(body), plain=not (call.stream or joined)
@@ -327,10 +328,13 @@ class Opened:
     """A request a node has accepted (its status line came): `items()`
     relays its answer, `close()` drops it (the node sees the disconnect)."""
 
-    __slots__ = ("_done", "body", "call", "ep", "node_model", "remote", "resp", "trial")
+    __slots__ = ("_done", "body", "call", "ep", "key", "node_model", "remote", "resp", "trial")
 
-    def __init__(self, remote: RemoteEngine, ep: Endpoint, call: RelayCall, node_model: str) -> None:
+    def __init__(
+        self, remote: RemoteEngine, ep: Endpoint, call: RelayCall, node_model: str, key: RouteKey | None = None
+    ) -> None:
         self.remote = remote
+        self.key = key  # the routing key it was routed by: settled with the policy when it ends
         self.ep = ep
         self.call = call
         self.node_model = node_model
@@ -373,6 +377,10 @@ class Opened:
         if self.trial:
             self.ep.trial = False
         self.remote._open.pop(self.call.request_id, None)
+        if self.key is not None:
+            up = self.remote.upstream
+            if self.ep in up.endpoints:
+                up.policy.settle_key(up.endpoints.index(self.ep), self.key)
         if self.resp is not None:
             self.resp.close()  # no-op once released; else the node sees a disconnect
 

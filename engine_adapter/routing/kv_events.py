@@ -19,6 +19,17 @@ silent for `stale_after` seconds after a request that must have produced
 events) is judged by the `prefix` guess, which this policy keeps up as well.
 Decisions on the index count as `kv_hit`, on the guess as `prefix_hit`.
 
+Blocks the engine will store count as held: each index keeps a pending
+overlay (kv_index.PendingBlocks) of the blocks of requests routed to that
+engine and not answered yet, added at the decision, removed by the
+request's first output (`observe`) or its end without one (`settle`; a
+relayed call to a node: its end, `settle_key`), by
+the BlockStored that names them, by age or size, and with the index. Under
+load a request waits in the engine's queue; a later request with the same
+prefix, routed meanwhile, goes to the same engine and is predicted to find
+the prefix (the engine stores it before it schedules the later request). A
+request's own blocks are added after its decision: never counted for it.
+
 Every routed request's prediction is compared with the prompt tokens the
 engine reports as cached (`observe`): `npugw_kv_predictions_total{outcome,
 cause}`. The prediction applies the engine's own rule (`engine_cached`) to
@@ -28,7 +39,9 @@ that came in between: `over` with cause `evicted` when the first block the
 engine lacked was removed after the decision, `under` with cause `stored`
 when the first block the index lacked was stored after it (another request
 with the same prefix, queued ahead on that engine); cause `unexplained`
-when no event explains the miss.
+when no event explains the miss; `over` with cause `pending` when the first
+block the engine lacked was counted from the pending overlay (the overlay's
+own error).
 """
 
 from __future__ import annotations
@@ -97,6 +110,7 @@ class Prediction:
     hashes: tuple[int, ...]  # the prompt's block hashes
     block_size: int
     mark: int  # the index's change serial at the decision
+    indexed: int = 0  # blocks of the match the index held (the rest: pending)
 
 
 @dataclass(slots=True)
@@ -107,13 +121,16 @@ class Accuracy:
     # over/under explained by a change between the decision and the engine's
     # lookup: (over, evicted), (under, stored)
     stale: Counter[str] = field(default_factory=Counter)
+    pending: int = 0  # over: the first block the engine lacked was only pending
     predicted_tokens: int = 0
     cached_tokens: int = 0
 
-    def count(self, outcome: str, stale: bool = False) -> None:
+    def count(self, outcome: str, stale: bool = False, pending: bool = False) -> None:
         self.outcomes[outcome] += 1
         if stale:
             self.stale[outcome] += 1
+        elif pending:
+            self.pending += 1
 
 
 class Subscriber:
@@ -370,7 +387,8 @@ class KvEventsPolicy(PrefixPolicy):
         h = self.hasher(engine)
         hs = key.hashes(h)
         if idx is not None and h is not None and hs is not None and idx.healthy(now, self.recover, self.stale_after):
-            return idx.match(hs) * h.block_size, True
+            idx.pending.expire(now)
+            return idx.match_pending(hs, idx.match(hs)) * h.block_size, True
         return self._guess(engine, key.blocks) * key.unit, False
 
     def _guess(self, engine: int, blocks: Sequence[int]) -> int:
@@ -389,12 +407,15 @@ class KvEventsPolicy(PrefixPolicy):
         hs = key.hashes(h)
         if idx is None or h is None or not hs:
             return
-        held = idx.match(hs)
-        if held < len(hs):
+        indexed = idx.match(hs)
+        held = idx.match_pending(hs, indexed)  # before this request's own blocks are pending
+        if indexed < len(hs):
             idx.expect(now)  # the engine stores new full blocks: a BlockStored must follow
+        # one entry per routed request, even with nothing pending: `settle` pops one per answer
+        idx.pending.add(key.fingerprint, [x for x in hs[indexed:] if x not in idx.blocks], now)
         if not idx.healthy(now, self.recover, self.stale_after):
             return
-        pred = Prediction(engine_cached(held, key.tokens, h.block_size), hs, h.block_size, idx.serial)
+        pred = Prediction(engine_cached(held, key.tokens, h.block_size), hs, h.block_size, idx.serial, indexed)
         k = (engine, key.fingerprint)
         q = self._pending.get(k)
         if q is None:
@@ -403,10 +424,26 @@ class KvEventsPolicy(PrefixPolicy):
         while len(self._pending) > PENDING_MAX:
             self._pending.popitem(last=False)
 
+    def settle(self, engine: int, token_ids: Sequence[int]) -> None:
+        idx = self.indexes.get(engine)
+        if idx is not None and idx.pending.entries:
+            idx.pending.settle(hash(tuple(token_ids)))
+
+    def settle_key(self, engine: int, key: RouteKey) -> None:
+        idx = self.indexes.get(engine)
+        if isinstance(key, KvRouteKey) and key.kv and idx is not None and idx.pending.entries:
+            idx.pending.settle(key.fingerprint)
+
     def observe(self, engine: int, token_ids: Sequence[int], cached_tokens: int) -> None:
+        idx = self.indexes.get(engine)
+        if not self._pending and (idx is None or not idx.pending.entries):
+            return
+        fp = hash(tuple(token_ids))
+        if idx is not None and idx.pending.entries:
+            idx.pending.settle(fp)  # prefilled: its blocks are stored (their BlockStored may still be coming)
         if not self._pending:
             return
-        k = (engine, hash(tuple(token_ids)))
+        k = (engine, fp)
         q = self._pending.get(k)
         if not q:
             return
@@ -423,6 +460,9 @@ class KvEventsPolicy(PrefixPolicy):
         hs, b = pred.hashes, pred.block_size
         # the first block the engine lacked (over) or the index lacked (under)
         first = cached_tokens // b if pred.tokens > cached_tokens else pred.tokens // b
+        if pred.tokens > cached_tokens and first >= pred.indexed:
+            acc.count("over", pending=True)  # counted from the overlay: the engine had not stored it
+            return
         stale = first < len(hs) and idx.changed_since(hs[first], pred.mark)
         acc.count("over" if pred.tokens > cached_tokens else "under", stale)
 

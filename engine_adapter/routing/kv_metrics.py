@@ -19,6 +19,8 @@ def kv_families(policies: Iterable[tuple[str, KvEventsPolicy]]) -> Iterator[Metr
     eng = ["model", "engine"]
     blocks = GaugeMetricFamily("npugw_kv_index_blocks", "KV cache blocks an engine holds, from its KV events.",
                                labels=eng)
+    pending = GaugeMetricFamily("npugw_kv_index_pending_blocks", "KV cache blocks an engine will store: those of "
+                                "requests routed to it, not answered yet, not yet in its events.", labels=eng)
     received = CounterMetricFamily("npugw_kv_events_received", "KV events applied to an engine's index.", labels=eng)
     lost = CounterMetricFamily("npugw_kv_events_lost", "KV event batches an engine published that the gateway "
                                "never got (a sequence gap the replay socket could not fill).", labels=eng)
@@ -32,7 +34,8 @@ def kv_families(policies: Iterable[tuple[str, KvEventsPolicy]]) -> Iterator[Metr
     predictions = CounterMetricFamily(
         "npugw_kv_predictions", "Routed requests whose engine's index predicted the prompt tokens the engine "
         "reported cached (right), more (over) or fewer (under); cause: evicted (over) or stored (under) when "
-        "the index's events show that block changed between the routing decision and the engine's answer, "
+        "the index's events show that block changed between the routing decision and the engine's answer; "
+        "pending (over) when that block was counted from the pending overlay (requests routed before); "
         "else unexplained.", labels=["model", "outcome", "cause"])
     predicted = CounterMetricFamily("npugw_kv_predicted_cached_tokens", "Prompt tokens the index predicted cached.",
                                     labels=["model"])
@@ -44,6 +47,7 @@ def kv_families(policies: Iterable[tuple[str, KvEventsPolicy]]) -> Iterator[Metr
         for e, idx in p.each_index():
             key = [model, idx.name or str(e)]
             blocks.add_metric(key, len(idx.blocks))
+            pending.add_metric(key, len(idx.pending))
             received.add_metric(key, idx.received)
             lost.add_metric(key, idx.lost)
             malformed.add_metric(key, idx.malformed)
@@ -58,7 +62,10 @@ def kv_families(policies: Iterable[tuple[str, KvEventsPolicy]]) -> Iterator[Metr
         for outcome, cause in STALE.items():
             stale = acc.stale[outcome]
             predictions.add_metric([model, outcome, cause], stale)
-            predictions.add_metric([model, outcome, "unexplained"], acc.outcomes[outcome] - stale)
+            own = acc.pending if outcome == "over" else 0
+            if outcome == "over":
+                predictions.add_metric([model, "over", "pending"], own)
+            predictions.add_metric([model, outcome, "unexplained"], acc.outcomes[outcome] - stale - own)
         predicted.add_metric([model], acc.predicted_tokens)
         reported.add_metric([model], acc.cached_tokens)
-    yield from (blocks, received, lost, malformed, drops, age, healthy, predictions, predicted, reported)
+    yield from (blocks, pending, received, lost, malformed, drops, age, healthy, predictions, predicted, reported)

@@ -119,6 +119,13 @@ class RoutingPolicy:
     def observe(self, engine: int, token_ids: Sequence[int], cached_tokens: int) -> None:
         """`engine` reported `cached_tokens` of a routed prompt from its prefix cache."""
 
+    def settle(self, engine: int, token_ids: Sequence[int]) -> None:
+        """A request routed to `engine` ended before its first output (error,
+        cancel, abort, never run)."""
+
+    def settle_key(self, engine: int, key: RouteKey) -> None:
+        """A call relayed to upstream node `engine` by `key` ended (however)."""
+
     async def close(self) -> None:
         """Stop what the policy runs in the background."""
 

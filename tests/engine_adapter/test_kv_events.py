@@ -23,7 +23,7 @@ from tests.support import wait_until
 with warnings.catch_warnings():  # vLLM's import chain warns (torch.jit deprecations); only once
     warnings.simplefilter("ignore")
     import vllm.distributed.kv_events
-    import vllm.v1.core.kv_cache_utils  # noqa: F401
+    import vllm.v1.core.kv_cache_utils
 
 FIX = Path(__file__).parents[1] / "fixtures" / "kv-events"
 META: dict[str, Any] = json.loads((FIX / "meta.json").read_text())
@@ -444,3 +444,162 @@ def test_engines_of_a_kv_events_model_publish_on_private_sockets() -> None:
     assert "kv_events_config" not in VllmConfig(model="/m", served_model_name="m").engine_kwargs("cpu")
     pooling = VllmConfig(model="/m", served_model_name="e", runner="pooling", kv_events_dir="/tmp/x")
     assert "kv_events_config" not in pooling.engine_kwargs("cpu")
+
+
+# ---- the pending overlay: blocks of requests routed but not answered yet ----
+def test_same_prefix_requests_back_to_back_go_to_the_same_engine_and_predict_its_blocks() -> None:
+    """The first B goes to engine 0 (engine 1, holding A's first 2 blocks,
+    is too busy). The second B, routed before the first is answered or
+    stored, goes to engine 0 too: the first's 5 blocks are pending there,
+    more than the 2 engine 1 holds; it is predicted to find them (the engine
+    stores them before it schedules it). The first never counts its own."""
+    b = META["prompts"]["B"]
+    p = policy()
+    feed(p, 1, 0)  # engine 1 holds A (B's first 2 blocks)
+    feed(p, 0, 2)  # engine 0 holds C: healthy, nothing of B
+    assert p.choose([0, 1], [0, 40], p.key_for_tokens(b, None)) == 0  # load beats engine 1's 2 blocks
+    assert p.stats.decisions["load_fallback"] == 1
+    assert len(p.indexes[0].pending) == 5 and not p.indexes[1].pending
+    assert p.choose([0, 1], [1, 0], p.key_for_tokens(b, None)) == 0  # 5 pending beat 2 held
+    assert p.stats.decisions["kv_hit"] == 1
+    p.observe(0, b, 0)  # the first: predicted 0 (its own pending blocks do not count), engine says 0
+    assert p.accuracy.outcomes == {"right": 1}
+    p.observe(0, b, engine_cached(5, len(b), BS))  # the second found the first's 5 blocks
+    assert p.accuracy.outcomes == {"right": 2} and p.accuracy.predicted_tokens == 5 * BS
+    assert not p.indexes[0].pending and not p.indexes[0].pending.entries
+
+
+def test_stored_blocks_leave_the_overlay() -> None:
+    a = META["prompts"]["A"]
+    p = policy()
+    feed(p, 0, 2)
+    p.choose([0], [0], p.key_for_tokens(a, None))
+    assert len(p.indexes[0].pending) == 5
+    feed(p, 0, 0)  # the engine stored A: the index holds it, nothing is pending
+    assert not p.indexes[0].pending and not p.indexes[0].pending.entries
+    p.observe(0, a, 0)  # the answer after the event: nothing left to settle
+    assert not p.indexes[0].pending.entries
+
+
+def test_a_request_ended_without_output_settles_its_pending_blocks() -> None:
+    a = META["prompts"]["A"]
+    p = policy()
+    feed(p, 0, 2)
+    p.choose([0], [0], p.key_for_tokens(a, None))
+    p.choose([0], [0], p.key_for_tokens(a, None))
+    assert len(p.indexes[0].pending.entries) == 2 and len(p.indexes[0].pending) == 5
+    p.settle(0, a)  # one aborted: the other still stores A
+    assert len(p.indexes[0].pending.entries) == 1 and len(p.indexes[0].pending) == 5
+    p.settle(0, a)
+    assert not p.indexes[0].pending and not p.indexes[0].pending.entries
+    p.settle(0, a)  # nothing left: nothing happens
+    assert not p.indexes[0].pending.by_fingerprint
+
+
+@pytest.mark.asyncio
+async def test_an_aborted_request_leaves_no_pending_blocks() -> None:
+    """Through the Runner: a request routed to an engine that never answers
+    is cancelled (the client went away): its pending blocks go."""
+    from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
+    from engine_adapter.lease import Slot
+    from engine_adapter.running import Runner
+    from engine_adapter.types import GenerationRequest, SamplingOptions
+    from engine_adapter.workers import Worker
+
+    a = tuple(META["prompts"]["A"])
+    p = policy()
+    feed(p, 0, 2)
+    engine = SimulatedEngine(SimulatedConfig(hang=True))
+    await engine.start()
+    w = Worker(index=0, engine=engine, slots=4, in_flight=1, alive=True)
+    runner = Runner("m", on_dead=lambda w, e: None, accepting=lambda: True, observe=p.observe, settle=p.settle)
+    assert p.choose([0], [0], p.key_for_tokens(a, None)) == 0
+    assert len(p.indexes[0].pending) == 5
+    req = GenerationRequest(request_id="a", model="m", prompt_token_ids=a, sampling=SamplingOptions(max_tokens=4))
+
+    async def consume() -> None:
+        async for _ in runner.run(Slot(w), req):
+            pass
+
+    task = asyncio.ensure_future(consume())
+    await wait_until(lambda: runner.running == 1, what="the run")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: engine.aborted == ["a"], what="the abort")
+    assert not p.indexes[0].pending and not p.indexes[0].pending.entries
+    assert p.choose([0], [0], p.key_for_tokens(a, None)) == 0 and p.stats.decisions["kv_hit"] == 0  # nothing held
+
+
+def test_restart_clear_and_gap_drop_the_overlay() -> None:
+    a = META["prompts"]["A"]
+    p = policy()
+    cleared = vllm.distributed.kv_events.KVEventBatch(ts=0.0, events=[vllm.distributed.kv_events.AllBlocksCleared()])
+    for drop in (lambda: p.forget(0), lambda: p.indexes[0].drop("gap"), lambda: p.indexes[0].apply(cleared)):
+        feed(p, 0, 2)
+        p.choose([0], [0], p.key_for_tokens(a, None))
+        assert len(p.indexes[0].pending) == 5
+        drop()
+        assert not p.indexes[0].pending and not p.indexes[0].pending.entries
+
+
+def test_the_overlay_is_bounded_by_size_and_age() -> None:
+    from engine_adapter.routing.kv_index import PendingBlocks
+
+    o = PendingBlocks(max_requests=2, max_age=10.0)
+    for i in range(3):
+        o.add(i, [100 + i, 200 + i], now=float(i))
+    assert sorted(o.holders) == [101, 102, 201, 202] and o.expired == 1
+    o.expire(now=11.5)  # the one added at 1.0 is older than 10 s
+    assert sorted(o.holders) == [102, 202] and o.expired == 2
+    o.add(9, [300], now=30.0)  # adding expires the rest
+    assert list(o.holders) == [300] and set(o.by_fingerprint) == {9}
+
+    a = META["prompts"]["A"]
+    p = policy()
+    feed(p, 0, 2)
+    p.choose([0], [0], p.key_for_tokens(a, None))
+    idx = p.indexes[0]
+    entry = next(iter(idx.pending.entries.values()))
+    entry.at -= idx.pending.max_age + 1  # never answered: too old to count
+    assert p.choose([0, 1], [1, 0], p.key_for_tokens(a, None)) == 0  # by the guess, not the overlay
+    assert p.stats.decisions["prefix_hit"] == 1 and idx.pending.expired == 1
+
+
+def test_an_overlay_miss_has_its_own_cause_and_gauge() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from engine_adapter.routing.policy import PolicyCollector
+    from tests.support import metric_value
+
+    a = META["prompts"]["A"]
+    p = policy()
+    feed(p, 0, 2)
+    feed(p, 1, 3)
+    p.choose([0, 1], [0, 0], p.key_for_tokens(a, None))
+    p.choose([0, 1], [1, 0], p.key_for_tokens(a, None))  # predicts 640 from the first's pending blocks
+    reg = CollectorRegistry()
+    reg.register(PolicyCollector(lambda: [("smol", p)]))
+    text = generate_latest(reg).decode()
+    assert metric_value(text, "npugw_kv_index_pending_blocks", model="smol", engine="0") == 5
+    assert metric_value(text, "npugw_kv_index_pending_blocks", model="smol", engine="1") == 0
+    p.observe(0, a, 0)
+    p.observe(0, a, 0)  # both scheduled together: the second did not find the first's blocks
+    assert p.accuracy.outcomes == {"right": 1, "over": 1} and p.accuracy.pending == 1
+    text = generate_latest(reg).decode()
+    assert metric_value(text, "npugw_kv_predictions_total", model="smol", outcome="over", cause="pending") == 1
+    assert metric_value(text, "npugw_kv_predictions_total", model="smol", outcome="over", cause="unexplained") == 0
+    assert metric_value(text, "npugw_kv_index_pending_blocks", model="smol", engine="0") == 0
+
+
+def test_a_relayed_call_settles_by_its_key() -> None:
+    """Upstream nodes: the front never reads the answer; the call's end
+    (RemoteEngine's Opened.close) settles its pending blocks by its key."""
+    a = META["prompts"]["A"]
+    p = policy()
+    feed(p, 0, 2)
+    key = p.key_for_tokens(a, None)
+    p.choose([0], [0], key)
+    assert len(p.indexes[0].pending) == 5
+    p.settle_key(0, key)
+    assert not p.indexes[0].pending and not p.indexes[0].pending.entries
