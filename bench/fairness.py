@@ -101,7 +101,8 @@ class Result:
 
 
 async def one(http: httpx.AsyncClient, key: str, max_tokens: int, priority: int = 0,
-              deadline_ms: int | None = None) -> Result:
+              deadline_ms: int | None = None, keep: list[Result] | None = None) -> Result:
+    """One streamed chat; `keep` gets the result at the start, so a request cancelled mid-way still counts."""
     body: dict[str, Any] = {"model": MODEL_NAME, "messages": [{"role": "user", "content": PROMPT}],
                             "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0}
     if priority:
@@ -110,6 +111,8 @@ async def one(http: httpx.AsyncClient, key: str, max_tokens: int, priority: int 
     if deadline_ms is not None:
         headers["x-ttft-deadline-ms"] = str(deadline_ms)
     res = Result(time.monotonic())
+    if keep is not None:
+        keep.append(res)
     try:
         async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
             res.status = r.status_code
@@ -148,17 +151,18 @@ async def scenario_a(http: httpx.AsyncClient, args: argparse.Namespace) -> dict[
     alone = await b_series()
     alone_s = time.monotonic() - t0
     stop = asyncio.Event()
-    flood_done: list[Result] = []
+    flood: list[Result] = []
 
     async def flood_stream() -> None:
         while not stop.is_set():
-            flood_done.append(await one(http, "a", args.flood_tokens))
+            await one(http, "a", args.flood_tokens, keep=flood)
 
     flooders = [asyncio.ensure_future(flood_stream()) for _ in range(args.flood)]
     await asyncio.sleep(args.flood_ramp)  # the flood fills the slots and the queue
     t1 = time.monotonic()
     during = await b_series()
-    during_s = time.monotonic() - t1
+    t2 = time.monotonic()
+    during_s = t2 - t1
     stop.set()
     for f in flooders:
         f.cancel()
@@ -166,7 +170,8 @@ async def scenario_a(http: httpx.AsyncClient, args: argparse.Namespace) -> dict[
     return {
         "b_alone": {**ttft_stats(alone), "goodput_tok_s": sum(r.tokens for r in alone) / alone_s},
         "b_flood": {**ttft_stats(during), "goodput_tok_s": sum(r.tokens for r in during) / during_s},
-        "a_flood": ttft_stats([r for r in flood_done if r.start >= t1]),
+        # A's requests whose first token came while B was measured (those cut off at the end included)
+        "a_flood": ttft_stats([r for r in flood if r.ttft is not None and t1 <= r.start + r.ttft <= t2]),
     }
 
 
@@ -202,7 +207,10 @@ async def scenario_b(http: httpx.AsyncClient, args: argparse.Namespace) -> dict[
     got = await open_loop(http, rate, args.seconds, make)
     wall = time.monotonic() - t0
     inter = [r for k, r in got if k == "interactive"]
-    return {"capacity_req_s": cap, "rate_req_s": rate, "interactive": ttft_stats(inter),
+    statuses: dict[str, int] = {}
+    for k, r in got:
+        statuses[f"{k} {r.status}"] = statuses.get(f"{k} {r.status}", 0) + 1
+    return {"capacity_req_s": cap, "rate_req_s": rate, "interactive": ttft_stats(inter), "statuses": statuses,
             "tokens_per_s": sum(r.tokens for _, r in got) / wall}
 
 
