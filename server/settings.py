@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ModelWrapValidatorHandler, PrivateAttr, field_validator, model_validator
@@ -338,8 +337,7 @@ class Settings(BaseSettings):
         if isinstance(v, str):  # NPUGW_ROUTING_POLICY="prefix chat=session"
             v = v.replace(",", " ").split()
         if isinstance(v, list | tuple):
-            default, per_model = parse_policies(str(item) for item in v)
-            keep("policies", (default, MappingProxyType(per_model)))
+            keep("policies", parse_policies(str(item) for item in v))
         return v
 
     @field_validator("max_lora_rank")
@@ -406,7 +404,7 @@ class Settings(BaseSettings):
         if len(set(names)) != len(names):
             raise ValueError("an upstream name is given twice")
         keep("upstreams", upstreams)
-        keep("routes", MappingProxyType(route_specs(self.alias, self.fallback)))
+        keep("routes", route_specs(self.alias, self.fallback))
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

@@ -37,7 +37,8 @@ class ExtraModel:
 
 @dataclass(frozen=True)
 class Parsed:
-    """What the raw settings mean, parsed once (`Settings.parsed`)."""
+    """What the raw settings mean, parsed once (`Settings.parsed`). Read
+    only; plain containers, so that the settings pickle (`--workers` spawns)."""
 
     upstreams: tuple[UpstreamConfig, ...]  # --upstream, with the --upstream-* defaults
     policies: tuple[str, Mapping[str, str]]  # --routing-policy: (default, {model: policy})
