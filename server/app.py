@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 from engine_adapter.metrics import EngineMetrics
 from engine_adapter.pool import WorkerPool
 from server import discovery
-from server.access_log import AccessLog, parse_proxies
+from server.access_log import AccessLog
 from server.auth import KeyStore
 from server.console import setup_console
 from server.errors import install_error_handlers
@@ -182,7 +182,7 @@ def create_app(
     setup_usage(app, settings, registry)  # the usage ledger (a record sink), budgets, /admin/usage, metrics
     app.add_middleware(
         GatewayMiddleware, metrics=gw_metrics, max_body=settings.max_request_body_bytes,
-        access_log=access_log, tracing=tracing, sinks=record_sinks, proxies=parse_proxies(settings.trusted_proxies),
+        access_log=access_log, tracing=tracing, sinks=record_sinks, proxies=settings.parsed.proxies,
         fast=FastRelay(),
     )
     return app
@@ -194,7 +194,7 @@ def _observability(settings: Settings) -> tuple[AccessLog | None, Tracing | None
     access_log = None
     if settings.access_log_format != "off":
         access_log = AccessLog(settings.access_log_format, settings.access_log_file,
-                               parse_proxies(settings.trusted_proxies))
+                               settings.parsed.proxies)
     tracing = None
     if settings.otlp_traces_endpoint:
         from server.tracing import Tracing

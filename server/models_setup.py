@@ -17,10 +17,10 @@ from engine_adapter.metrics import EngineMetrics
 from engine_adapter.model import EMBEDDED_EMBEDDING_NAME, EMBEDDED_MODEL_NAME, resolve_model
 from engine_adapter.pool import WorkerPool
 from engine_adapter.registry import ModelSpec, build_pool
-from engine_adapter.routing import CanaryPolicy, RouteSpec, RoutingMetrics, RoutingTable, ServedPool, route_specs
+from engine_adapter.routing import CanaryPolicy, RoutingMetrics, RoutingTable, ServedPool
 from engine_adapter.routing.kv_sources import local_sources, remote_kv_policy
-from engine_adapter.routing.policy import PolicyOptions, make_policy, parse_policies
-from engine_adapter.routing.upstream import UpstreamConfig, parse_upstream, upstreams_of
+from engine_adapter.routing.policy import PolicyOptions, make_policy
+from engine_adapter.routing.upstream import upstreams_of
 from server.placement import engine_placement, log_placement
 from server.settings import Settings
 
@@ -168,7 +168,7 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         log_placement(placement)
     path, default_name = resolve_model(s.model)
     names = tuple(s.served_model_name) or (default_name,)
-    default_policy, per_model = parse_policies(s.routing_policy)
+    default_policy, per_model = s.parsed.policies
     gen_bind, emb_bind = cpu_binds(s) if s.embedding_enabled else (None, None)
     engine = VllmConfig(
         model=str(path),
@@ -242,18 +242,6 @@ def kv_events_dir(names: tuple[str, ...], default: str, per_model: Mapping[str, 
     return tempfile.mkdtemp(prefix="npugw-kv-") if policy == "kv-events" else None
 
 
-def upstream_configs(settings: Settings) -> list[UpstreamConfig]:
-    s = settings
-    return [
-        parse_upstream(
-            spec, connect_timeout=s.upstream_connect_timeout, read_timeout=s.upstream_read_timeout,
-            health_interval=s.upstream_health_interval, eject_after=s.upstream_eject_after,
-            cooldown=s.upstream_cooldown,
-        )
-        for spec in s.upstream
-    ]
-
-
 def build_remote_pools(settings: Settings) -> list[tuple[WorkerPool, tuple[str, ...], str]]:
     """One pool per upstream: its slots bound the requests in flight to it.
     A discovering upstream's pool serves no name of its own: its models are
@@ -262,7 +250,7 @@ def build_remote_pools(settings: Settings) -> list[tuple[WorkerPool, tuple[str, 
 
     s = settings
     out: list[tuple[WorkerPool, tuple[str, ...], str]] = []
-    for cfg in upstream_configs(s):
+    for cfg in s.parsed.upstreams:
         pool = build_remote_pool(
             cfg, slots_per_worker=s.max_num_seqs, max_queue_size=s.max_queue_size,
             max_queue_wait=s.max_queue_wait, readiness_interval=s.readiness_interval,
@@ -304,7 +292,7 @@ def set_routing_policies(settings: Settings, served: list[tuple[WorkerPool, tupl
     choice of URL (prefix blocks: the KV block size in tokens locally, bytes
     of JSON for upstream nodes)."""
     s = settings
-    default, per_model = parse_policies(s.routing_policy)
+    default, per_model = s.parsed.policies
     opts = PolicyOptions(
         block_tokens=engine_block_tokens(s), block_bytes=s.routing_prefix_block_bytes,
         max_blocks=s.routing_prefix_max_blocks, balance_abs=s.routing_balance_abs_threshold,
@@ -330,18 +318,14 @@ def canary_policy(settings: Settings) -> CanaryPolicy:
     )
 
 
-def routes_from(settings: Settings) -> dict[str, RouteSpec]:
-    return route_specs(settings.alias, settings.fallback)
-
-
 def build_routing(settings: Settings, pools: Mapping[str, ServedPool], metrics: RoutingMetrics) -> RoutingTable:
     """The routing table over the served models (`pools`: served name -> pool)."""
     table = RoutingTable(pools, policy=canary_policy(settings), metrics=metrics)
-    table.apply(routes_from(settings))
+    table.apply(settings.parsed.routes)
     return table
 
 
 __all__ = [
     "EMBEDDED_MODEL_NAME", "build_remote_pools", "build_routing", "build_served_pools", "device_for",
-    "model_specs", "routes_from", "upstream_configs",
+    "model_specs",
 ]

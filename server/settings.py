@@ -7,11 +7,10 @@ then environment, then the file, then defaults. Flag names follow
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ModelWrapValidatorHandler, PrivateAttr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -20,7 +19,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from engine_adapter.entry import parse_entry
+from server.settings_parse import Parsed, collect, keep, parse_engine_args, parse_extra_model
 
 # `NAME=...` lists: repeatable flags, a YAML list or mapping, or one
 # whitespace-separated environment variable (NPUGW_UPSTREAM="a=http://x b=http://y").
@@ -31,7 +30,11 @@ EngineArgs = Annotated[dict[str, Any], NoDecode]
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="NPUGW_", extra="forbid", validate_default=True)
+    # validate_assignment: a value set later is validated and parsed as one given at start.
+    model_config = SettingsConfigDict(
+        env_prefix="NPUGW_", extra="forbid", validate_default=True, validate_assignment=True
+    )
+    _parsed: Parsed | None = PrivateAttr(None)  # server/settings_parse.py: `parsed`
 
     config: Path | None = Field(None, description="YAML settings file")
     # --- HTTP ---
@@ -323,7 +326,7 @@ class Settings(BaseSettings):
     def _proxies(cls, v: list[str]) -> list[str]:
         from server.access_log import parse_proxies
 
-        parse_proxies(v)  # a bad address or network fails at start-up
+        keep("proxies", parse_proxies(v))  # a bad address or network fails at start-up
         return v
 
     @field_validator("routing_policy", mode="before")
@@ -334,7 +337,7 @@ class Settings(BaseSettings):
         if isinstance(v, str):  # NPUGW_ROUTING_POLICY="prefix chat=session"
             v = v.replace(",", " ").split()
         if isinstance(v, list | tuple):
-            parse_policies(str(item) for item in v)
+            keep("policies", parse_policies(str(item) for item in v))
         return v
 
     @field_validator("max_lora_rank")
@@ -356,28 +359,21 @@ class Settings(BaseSettings):
             v = json.loads(text) if text.startswith("[") else text.split()
         if isinstance(v, list | tuple):
             v = [json.dumps(x) if isinstance(x, dict) else str(x) for x in v]
-            for item in v:
-                parse_lora_module(item)
+            keep("lora_modules", tuple(parse_lora_module(item) for item in v))
         return v
-
-    def lora_module_specs(self) -> list[Any]:
-        from engine_adapter.lora import parse_lora_module
-
-        return [parse_lora_module(item) for item in self.lora_modules]
 
     @field_validator("extra_model")
     @classmethod
     def _extra_models(cls, v: list[str]) -> list[str]:
-        for item in v:
-            _extra_model(item)
+        keep("extra_models", tuple(parse_extra_model(item) for item in v))
         return v
 
     def extra_models(self) -> list[tuple[tuple[str, ...], str]]:
-        return [_extra_model(item) for item in self.extra_model]
+        return [(m.names, m.path) for m in self.parsed.extra_models]
 
     def extra_model_devices(self) -> list[tuple[str, ...] | None]:
         """Each --extra-model's own devices (`;devices=4,5`), or None."""
-        return [_extra_model_devices(item) for item in self.extra_model]
+        return [m.devices for m in self.parsed.extra_models]
 
     @field_validator("engine_args", mode="before")
     @classmethod
@@ -396,15 +392,37 @@ class Settings(BaseSettings):
         from engine_adapter.routing.spec import route_specs
         from engine_adapter.routing.upstream import parse_upstream
 
-        names = [parse_upstream(u).name for u in self.upstream]
+        upstreams = tuple(
+            parse_upstream(
+                spec, connect_timeout=self.upstream_connect_timeout, read_timeout=self.upstream_read_timeout,
+                health_interval=self.upstream_health_interval, eject_after=self.upstream_eject_after,
+                cooldown=self.upstream_cooldown,
+            )
+            for spec in self.upstream
+        )
+        names = [u.name for u in upstreams]
         if len(set(names)) != len(names):
             raise ValueError("an upstream name is given twice")
-        route_specs(self.alias, self.fallback)
+        keep("upstreams", upstreams)
+        keep("routes", route_specs(self.alias, self.fallback))
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"--max-cpu-loras {self.max_cpu_loras} must be >= --max-loras {self.max_loras}")
         return self
+
+    # Last, so that it wraps the validators above: what they `keep` becomes `parsed`.
+    @model_validator(mode="wrap")
+    @classmethod
+    def _parse_once(cls, data: Any, handler: ModelWrapValidatorHandler[Settings]) -> Settings:
+        return collect(data, handler)
+
+    @property
+    def parsed(self) -> Parsed:
+        """The parsed values (server/settings_parse.py), computed once at validation."""
+        if self._parsed is None:
+            raise RuntimeError("Settings built without validation (model_construct) have no parsed values")
+        return self._parsed
 
     @classmethod
     def settings_customise_sources(
@@ -429,71 +447,6 @@ class Settings(BaseSettings):
     @property
     def embedding_enabled(self) -> bool:
         return self.embedding_model not in (None, "", "none") and not self.gateway_only
-
-
-def _json_or_str(raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw
-
-
-def parse_engine_args(v: Any) -> dict[str, Any]:
-    """`KEY=VALUE` items (flags), a JSON object (environment) or a mapping
-    (YAML) -> {vLLM engine argument: value}. A key the gateway sets from its
-    own settings is refused with the flag to use instead."""
-    from engine_adapter.backends.vllm_config import gateway_engine_keys
-
-    if v is None:
-        return {}
-    if isinstance(v, str):
-        try:
-            v = json.loads(v) if v.strip() else {}
-        except ValueError as e:
-            raise ValueError(f"engine args {v!r}: expected a JSON object ({e})") from None
-        if not isinstance(v, dict):
-            raise ValueError(f"engine args {v!r}: expected a JSON object of KEY: VALUE")
-    elif isinstance(v, list | tuple):
-        items: dict[str, Any] = {}
-        for item in v:
-            entry = parse_entry(str(item), "--engine-arg", "KEY=VALUE", many=False)
-            items[entry.name] = _json_or_str(entry.items[0])
-        v = items
-    if not isinstance(v, Mapping):
-        raise ValueError("engine args: expected KEY=VALUE items, a JSON object or a mapping")
-    own = gateway_engine_keys()
-    out: dict[str, Any] = {}
-    for key, value in v.items():
-        name = str(key).strip().replace("-", "_")
-        if not name.isidentifier():
-            raise ValueError(f"--engine-arg {key!r}: KEY must be a vLLM engine argument name (letters, digits, _ or -)")
-        if name in own:
-            raise ValueError(f"--engine-arg {name}: the gateway sets {name} itself; use {own[name]}")
-        out[name] = value
-    return out
-
-
-_EXTRA_MODEL_SYNTAX = "NAME[,ALIAS...]=PATH[;devices=ID,ID...]"
-
-
-def _extra_model(item: str) -> tuple[tuple[str, ...], str]:
-    """`NAME[,ALIAS...]=PATH[;devices=...]` -> (names, path)."""
-    e = parse_entry(item, "--extra-model", _EXTRA_MODEL_SYNTAX, options=("devices",), many=False)
-    names = tuple(n.strip() for n in e.name.split(",") if n.strip())
-    if not names or not e.items[0]:
-        raise ValueError(f"--extra-model {item!r}: expected {_EXTRA_MODEL_SYNTAX}")
-    _extra_model_devices(item)
-    return names, e.items[0]
-
-
-def _extra_model_devices(item: str) -> tuple[str, ...] | None:
-    e = parse_entry(item, "--extra-model", _EXTRA_MODEL_SYNTAX, options=("devices",), many=False)
-    if "devices" not in e.options:
-        return None
-    ids = tuple(p.strip() for p in e.options["devices"].split(",") if p.strip())
-    if not ids:
-        raise ValueError(f"--extra-model {item!r}: devices= names no device")
-    return ids
 
 
 def _config_path(init: PydanticBaseSettingsSource) -> Path | None:

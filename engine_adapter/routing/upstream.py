@@ -51,7 +51,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -93,6 +93,11 @@ class UpstreamConfig:
     # (routing/kv_events.py remote_sources), and a local folder of the nodes' tokenizer to hash prompts with
     kv_events: str | None = None
     kv_tokenizer: str | None = None
+    apis: frozenset[str] | None = field(init=False, default=None)  # `api`, parsed; None: from /openapi.json
+
+    def __post_init__(self) -> None:
+        if self.api is not None:
+            object.__setattr__(self, "apis", parse_apis(self.api, self.name))
 
     @property
     def discovers(self) -> bool:
@@ -129,13 +134,14 @@ def parse_upstream(spec: str, **defaults: Any) -> UpstreamConfig:
             kw[key] = _NUMBERS[key](value) if key in _NUMBERS else value
         except ValueError:
             raise ValueError(f"upstream {name!r}: option {key}={value!r} is not a number") from None
+    api = kw.pop("api", None)  # parsed (UpstreamConfig.apis) after the checks before it
     cfg = UpstreamConfig(name=name, urls=tuple(u.removesuffix("/v1") for u in found), **kw)
     if cfg.eject_after < 1 or min(cfg.connect_timeout, cfg.read_timeout, cfg.health_interval, cfg.cooldown) <= 0:
         raise ValueError(f"upstream {name!r}: timeouts, intervals and eject_after must be positive")
     if cfg.slots is not None and cfg.slots < 1:
         raise ValueError(f"upstream {name!r}: slots must be >= 1")
-    if cfg.api is not None:
-        parse_apis(cfg.api, name)
+    if api is not None:
+        cfg = replace(cfg, api=api)
     if cfg.kv_events is not None and len(cfg.kv_events.split(",")) != len(cfg.urls):
         raise ValueError(f"upstream {name!r}: kv-events needs one publisher per URL ({len(cfg.urls)})")
     if cfg.plain not in ("direct", "stream"):
@@ -292,8 +298,8 @@ class Upstream:
     def apis(self) -> frozenset[str]:
         """The client APIs every URL serves: `;api=`, else what their
         /openapi.json showed (none until one was read)."""
-        if self.cfg.api is not None:
-            return parse_apis(self.cfg.api, self.cfg.name)
+        if self.cfg.apis is not None:
+            return self.cfg.apis
         known = [ep.apis for ep in self.endpoints if ep.apis is not None]
         return frozenset.intersection(*known) if known else frozenset()
 
@@ -305,7 +311,7 @@ class Upstream:
                 "embedding_model": ep.embed_id, "serves": list(ep.serves), "healthy": ep.healthy,
                 "breaker": ep.state_at(now, self.cfg.cooldown), "outstanding": ep.outstanding,
                 "last_error": ep.last_error,
-                "apis": sorted(parse_apis(self.cfg.api, self.cfg.name) if self.cfg.api is not None else ep.apis or ()),
+                "apis": sorted(self.cfg.apis if self.cfg.apis is not None else ep.apis or ()),
             }
             for ep in self.endpoints
         ]
@@ -398,7 +404,7 @@ class Upstream:
             ep.slots = slots if isinstance(slots, int) and slots > 0 else 0
             if c.max_model_len is None and isinstance(card.get("max_model_len"), int) and not c.discovers:
                 self.max_model_len = card["max_model_len"]
-            if ep.apis is None and self.cfg.api is None:
+            if ep.apis is None and self.cfg.apis is None:
                 await self._read_apis(ep, timeout)
         except (aiohttp.ClientError, *TIMEOUTS, ValueError, TypeError, AttributeError, _CheckFailed, GatewayError) as e:
             why = str(e) or type(e).__name__

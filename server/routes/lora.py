@@ -144,7 +144,7 @@ async def start_lora(app: FastAPI, gw: Gateway) -> None:
     gw.lora = LoraManager(bases, max_rank=s.max_lora_rank, store=store, metrics=app.state.lora_metrics,
                           taken=gw.serves)
     if bases:
-        for adapter in await gw.lora.restore(s.lora_module_specs()):
+        for adapter in await gw.lora.restore(s.parsed.lora_modules):
             _serve(gw, adapter)
     elif s.enable_lora:
         logger.warning("--enable-lora: no local generation model here takes LoRA adapters")

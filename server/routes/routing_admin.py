@@ -101,13 +101,12 @@ def reload_routes(gw: Gateway) -> bool:
     if gw.settings.config is None:
         logger.warning("SIGHUP: no settings file (--config) to reload routes from")
         return False
-    from server.models_setup import routes_from
     from server.queueing import reload_queue_policy
 
     try:
         given: dict[str, Any] = {"config": gw.settings.config}
         fresh = Settings(**given)  # the file and the environment, validated
-        gw.routing.apply(routes_from(fresh), replace_all=True)
+        gw.routing.apply(fresh.parsed.routes, replace_all=True)
         reload_queue_policy(gw.pools, fresh)  # server/queueing.py: queued requests stay
         if fresh.upstream and fresh.upstream != gw.settings.upstream:
             logger.warning("SIGHUP: upstreams changed in %s; that needs a restart", gw.settings.config)

@@ -3,14 +3,20 @@
 
 from __future__ import annotations
 
+import ipaddress
+import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from engine_adapter.entry import parse_entry
+from engine_adapter.routing import policy, spec, upstream
 from server.auth import KeysFileError, load_keys_file
 from server.cli import main
+from server.models_setup import build_remote_pools, set_routing_policies
 from server.settings import Settings
+from server.settings_parse import ExtraModel
 
 DIGEST = "a" * 64
 
@@ -97,3 +103,28 @@ def test_serve_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     out = " ".join(capsys.readouterr().out.split())
     assert "--max-queue-size MAX_QUEUE_SIZE in-process queue bound per model (default: 1024)" in out
     assert "(default: 8000)" in out and "(default: 127.0.0.1)" in out
+
+
+def test_the_settings_parse_once_and_the_pools_read_the_parsed_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = Settings(model="none", upstream=["u=http://x:1;api=messages", "http://y:2"], alias=["c=u:1"],
+                 fallback=["d=u"], routing_policy=["prefix", "u=session"], trusted_proxies=["10.0.0.0/8"],
+                 extra_model=["a,b=/m;devices=4,5"], upstream_read_timeout=7)
+    p = s.parsed
+    assert [u.name for u in p.upstreams] == ["u", "y:2"]
+    assert p.upstreams[0].read_timeout == 7 and p.upstreams[0].apis == {"messages"} and p.upstreams[1].apis is None
+    assert p.policies == ("prefix", {"u": "session"}) and set(p.routes) == {"c", "d"}
+    assert p.proxies == (ipaddress.ip_network("10.0.0.0/8"),)
+    assert p.extra_models == (ExtraModel(("a", "b"), "/m", ("4", "5")),) and p.lora_modules == ()
+    assert pickle.loads(pickle.dumps(s)).parsed == p  # --workers: the spawned processes get them too
+    s.alias = ["e=u:1"]  # a value set later is parsed as one given at start
+    assert set(s.parsed.routes) == {"d", "e"} and s.parsed.upstreams == p.upstreams
+
+    def again(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a setting parsed again")
+
+    for module, name in ((upstream, "parse_upstream"), (policy, "parse_policies"), (spec, "route_specs")):
+        monkeypatch.setattr(module, name, again)
+    served = build_remote_pools(s)
+    set_routing_policies(s, served)
+    assert [names for _, names, _ in served] == [("u",), ()]
+    assert [up.policy.name for pool, _, _ in served for up in upstream.upstreams_of([pool])] == ["session", "prefix"]
