@@ -19,6 +19,12 @@ from engine_adapter.metrics import EngineMetrics
 from engine_adapter.pool import WorkerPool
 from server import discovery
 from server.access_log import AccessLog
+from server.apis.anthropic import route as messages
+from server.apis.chat import route as chat
+from server.apis.completions import route as completions
+from server.apis.embeddings import route as embeddings
+from server.apis.generate import route as generate
+from server.apis.responses import route as responses
 from server.auth import KeyStore
 from server.console import setup_console
 from server.errors import install_error_handlers
@@ -30,16 +36,10 @@ from server.middleware import GatewayMiddleware, RecordSink
 from server.queueing import QueueCollector, configure_queues
 from server.routes import (
     admin,
-    chat,
-    completions,
-    embeddings,
-    generate,
     health,
     lora,
-    messages,
     models,
     queue,
-    responses,
     routing_admin,
     tokenize,
 )

@@ -1,6 +1,6 @@
 """Chat underneath: how a chat completions request becomes engine requests
 (`chat_requests`: the tool plan, the chat template, the token budget, with
-the target engine's tokenizer), for chat itself (routes/chat.py `ChatAsk`)
+the target engine's tokenizer), for chat itself (apis/chat/route.py `ChatAsk`)
 and for the APIs translated to chat (OpenAI Responses, Anthropic Messages:
 `BridgedAsk`). Both are late-bound Asks: the requests are built for the
 target that admission picks, so an alias's targets each tokenize with their

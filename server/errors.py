@@ -39,7 +39,7 @@ from engine_adapter.errors import (
     UnsupportedMediaType,
     UpstreamRejected,
 )
-from server.protocol_generate import SHAPE_ERROR
+from server.apis.generate.protocol import SHAPE_ERROR
 
 logger = logging.getLogger(__name__)
 

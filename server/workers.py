@@ -105,7 +105,7 @@ def _child(settings: Settings, index: int, ready: multiprocessing.connection.Con
     # prometheus-client cannot clear a labelled metric in multiprocess mode
     # (routing weights on reload): the old series stay until a restart.
     warnings.filterwarnings("ignore", message="Clearing labels has not been implemented")
-    from server.cli import build_server, setup_logging
+    from server.serve import build_server, setup_logging
 
     setup_logging(settings)
     sock = _reuseport_socket(settings.host, settings.port)

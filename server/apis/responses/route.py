@@ -20,13 +20,13 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from starlette.responses import Response
 
 from engine_adapter.errors import NotFound
+from server.apis.responses.protocol import InputItemsQuery, ResponsesRequest
+from server.apis.responses.render import ResponsesView, _hex
 from server.chat_bridge import BridgedAsk, as_chat
 from server.deps import AuthDep, GatewayDep
 from server.generation import RelayGeneration, admit, forwarded, json_response, session_of, stream_response
-from server.protocol_responses import InputItemsQuery, ResponsesRequest
 from server.relay_apis import relayed_response
 from server.routes.docs import ERRORS, JSON_OR_SSE
-from server.routes.responses_render import ResponsesView, _hex
 from server.store import ResponseStore, StoredResponse
 from server.tools import ToolPlan
 from server.validation import deadline_after, new_id

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from engine_adapter.errors import EngineError, GatewayError
+from server.apis.anthropic.protocol import CountTokensRequest, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
 from server.chat_bridge import BridgedAsk, as_chat
 from server.deps import AuthDep, GatewayDep
 from server.errors import anthropic_error_event
@@ -33,7 +34,6 @@ from server.generation import (
     session_of,
     stream_response,
 )
-from server.protocol_anthropic import CountTokensRequest, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
 from server.relay_apis import ApiAsk, relayed_response
 from server.render import ChatDeltaView, Choice, Key
 from server.routes.docs import JSON_OR_SSE

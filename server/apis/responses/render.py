@@ -10,9 +10,9 @@ from typing import Any
 import orjson
 
 from engine_adapter.errors import GatewayError
+from server.apis.responses.protocol import ResponsesRequest
 from server.errors import kind_of
 from server.generation import AnyGeneration
-from server.protocol_responses import ResponsesRequest
 from server.render import ChatDeltaView, Choice, Key
 from server.store import ResponseStore, StoredResponse
 from server.tools import ToolPlan, ToolStreamer

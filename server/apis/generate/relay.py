@@ -15,9 +15,9 @@ import orjson
 
 from engine_adapter.errors import GatewayError
 from engine_adapter.types import RelayCall
+from server.apis.generate.protocol import TgiGenerateRequest, VllmGenerateRequest
 from server.errors import tgi_error_event
 from server.generation import RelayGeneration
-from server.protocol_generate import TgiGenerateRequest, VllmGenerateRequest
 
 UNKNOWN_ID = -1
 _TGI_FINISH = {"length": "length", "stop": "eos_token"}

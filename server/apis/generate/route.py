@@ -8,7 +8,7 @@
   last one with the whole text. `POST /` is TGI's compat route (the one its
   `text-generation` client calls): it streams when the body says `stream`,
   else it answers `/generate`'s object in a one-item list.
-- Upstream models: server/relay_apis.py and generate_relay.py.
+- Upstream models: server/relay_apis.py and relay.py beside this one.
 
 Errors on both paths take TGI's shape, `{"error", "error_type"}`
 (server/errors.py: `TGI_KINDS`).
@@ -24,14 +24,14 @@ from starlette.responses import Response
 
 from engine_adapter.errors import InvalidRequest
 from engine_adapter.types import EngineOutput, GenerationRequest, SamplingOptions, StructuredOutput, TokenLogprob
+from server.apis.generate.protocol import GenerateRequest, TgiGenerateRequest, VllmGenerateRequest
+from server.apis.generate.relay import TgiView, VllmView, estimate_tgi, estimate_vllm, tgi_completion, vllm_completion
 from server.auth import Principal
 from server.deps import AuthDep, GatewayDep
 from server.errors import tgi_error_event
 from server.generation import admit_local, admit_relay, forwarded, json_response, prepared, session_of, stream_response
-from server.protocol_generate import GenerateRequest, TgiGenerateRequest, VllmGenerateRequest
 from server.relay_apis import ApiAsk, relayed_response
 from server.render import Choice, Key
-from server.routes.generate_relay import TgiView, VllmView, estimate_tgi, estimate_vllm, tgi_completion, vllm_completion
 from server.state import Gateway, ServedModel
 from server.validation import budget, deadline_after, new_id, sampling_options
 

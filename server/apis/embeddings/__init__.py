@@ -1,0 +1,1 @@
+"""OpenAI embeddings: POST /v1/embeddings (request models in server/protocol.py)."""
