@@ -19,7 +19,8 @@ from engine_adapter.pool import WorkerPool
 from engine_adapter.registry import ModelSpec, build_pool
 from engine_adapter.routing import CanaryPolicy, RoutingMetrics, RoutingTable, ServedPool
 from engine_adapter.routing.kv_sources import local_sources, remote_kv_policy
-from engine_adapter.routing.policy import PolicyOptions, make_policy
+from engine_adapter.routing.policies import make_policy
+from engine_adapter.routing.policy import PolicyOptions
 from engine_adapter.routing.upstream import upstreams_of
 from server.placement import engine_placement, log_placement
 from server.settings import Settings

@@ -20,6 +20,7 @@ from pydantic_settings import (
 )
 
 from server.settings_parse import Parsed, collect, keep, parse_engine_args, parse_extra_model
+from server.state_url import check_state_url
 
 # `NAME=...` lists: repeatable flags, a YAML list or mapping, or one
 # whitespace-separated environment variable (NPUGW_UPSTREAM="a=http://x b=http://y").
@@ -315,8 +316,6 @@ class Settings(BaseSettings):
     @field_validator("state_url")
     @classmethod
     def _state_url(cls, v: str | None) -> str | None:
-        from server.state_store import check_state_url
-
         if v is None or not v.strip() or v.strip().lower() == "none":
             return None
         return check_state_url(v.strip())

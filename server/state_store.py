@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SCHEMES = ("redis", "rediss", "unix")
 PREFIX = "npugw"
 PROBE_INTERVAL = 1.0
 BUDGET_INTERVAL = 0.5  # seconds between the budgets' exchanges with the store
@@ -139,34 +138,6 @@ for i, key in ipairs(KEYS) do
 end
 return n
 """
-
-
-class StateUrlError(ValueError):
-    pass
-
-
-def check_state_url(url: str) -> str:
-    """The URL unchanged if redis-py can use it; else StateUrlError with the reason."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise StateUrlError(f"--state-url {url!r}: {e}") from None
-    if parts.scheme not in SCHEMES:
-        raise StateUrlError(f"--state-url {url!r}: the scheme must be one of redis://, rediss://, unix:// "
-                            f"(got {parts.scheme + '://' if parts.scheme else 'none'})")
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise StateUrlError(f"--state-url {url!r}: unix:// needs a socket path (unix:///run/valkey.sock)")
-        return url
-    if not parts.hostname:
-        raise StateUrlError(f"--state-url {url!r}: no host (redis://HOST:PORT/DB)")
-    if port == 0:
-        raise StateUrlError(f"--state-url {url!r}: port 0")
-    db = parts.path.lstrip("/")
-    if db and not db.isdigit():
-        raise StateUrlError(f"--state-url {url!r}: the database must be a number (got {db!r})")
-    return url
 
 
 def redacted(url: str) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from engine_adapter.routing.kv_events import KvEventsPolicy, KvSource
+from engine_adapter.routing.policies import make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +91,6 @@ def remote_kv_policy(cfg: Any, opts: Any) -> KvEventsPolicy:
     """kv-events over an upstream's URLs (an UpstreamConfig): their
     publishers (`;kv-events=`) and tokenizer (`;kv-tokenizer=`); without
     either, the `prefix` guess on the request's text."""
-    from engine_adapter.routing.policy import make_policy
-
     sources = remote_sources(cfg.kv_events, cfg.urls) if cfg.kv_events else None
     p = make_policy("kv-events", opts, unit="tokens" if cfg.kv_tokenizer else "bytes", sources=sources)
     assert isinstance(p, KvEventsPolicy)

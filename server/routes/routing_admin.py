@@ -27,7 +27,7 @@ from engine_adapter.routing import (
     UpstreamCollector,
     parse_alias,
 )
-from engine_adapter.routing.policy import PolicyCollector, policies_of
+from engine_adapter.routing.policies import PolicyCollector, policies_of
 from engine_adapter.routing.spec import check_targets
 from engine_adapter.routing.upstream import upstreams_of
 from server.auth import Principal, require_admin

@@ -422,7 +422,7 @@ def test_compose_gateways_and_references(compose: dict[str, object]) -> None:
 def test_compose_replicas_share_limits_through_valkey(compose: dict[str, object]) -> None:
     from urllib.parse import urlsplit
 
-    from server.state_store import check_state_url
+    from server.state_url import check_state_url
 
     services = compose["services"]
     assert isinstance(services, dict)

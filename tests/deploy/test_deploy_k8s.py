@@ -318,7 +318,7 @@ def test_valkey_for_shared_limits(kubectl_binary: str) -> None:
     names its Service and port, and is a URL the gateway accepts."""
     from urllib.parse import urlsplit
 
-    from server.state_store import check_state_url
+    from server.state_url import check_state_url
 
     docs = render("valkey", kubectl_binary)
     assert sorted(d["kind"] for d in docs) == ["Deployment", "Service"]

@@ -17,7 +17,8 @@ import pytest
 
 from engine_adapter.routing.kv_events import KvEventsPolicy, KvRouteKey, KvSource, Subscriber, engine_cached
 from engine_adapter.routing.kv_index import BlockHasher, KvIndex, decode_batch
-from engine_adapter.routing.policy import make_policy, parse_policies
+from engine_adapter.routing.policies import make_policy
+from engine_adapter.routing.policy import parse_policies
 from tests.support import wait_until
 
 with warnings.catch_warnings():  # vLLM's import chain warns (torch.jit deprecations); only once
@@ -266,7 +267,7 @@ def test_the_prediction_is_the_engines_rule() -> None:
 def test_a_miss_is_judged_by_the_events_after_the_decision() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from engine_adapter.routing.policy import PolicyCollector
+    from engine_adapter.routing.policies import PolicyCollector
     from tests.support import metric_value
 
     a = META["prompts"]["A"]
@@ -365,7 +366,7 @@ def test_an_adapter_is_routed_by_the_guess() -> None:
 def test_metrics_per_engine_and_prediction() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from engine_adapter.routing.policy import PolicyCollector
+    from engine_adapter.routing.policies import PolicyCollector
     from tests.support import metric_value
 
     p = policy()
@@ -569,7 +570,7 @@ def test_the_overlay_is_bounded_by_size_and_age() -> None:
 def test_an_overlay_miss_has_its_own_cause_and_gauge() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from engine_adapter.routing.policy import PolicyCollector
+    from engine_adapter.routing.policies import PolicyCollector
     from tests.support import metric_value
 
     a = META["prompts"]["A"]

@@ -18,13 +18,13 @@ from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
 from engine_adapter.errors import EngineDead
 from engine_adapter.lease import Prepared
 from engine_adapter.pool import WorkerPool
+from engine_adapter.routing.policies import make_policy
 from engine_adapter.routing.policy import (
     PolicyOptions,
     PrefixPolicy,
     RouteKey,
     RoutingPolicy,
     SessionPolicy,
-    make_policy,
     parse_policies,
 )
 from engine_adapter.routing.upstream import Endpoint, Upstream, UpstreamConfig, parse_upstream

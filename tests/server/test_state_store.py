@@ -24,7 +24,8 @@ from server.auth import KeyEntry, Principal
 from server.limits import Admission, Limits
 from server.metrics import GatewayMetrics
 from server.settings import Settings
-from server.state_store import StateStore, StateUrlError, check_state_url
+from server.state_store import StateStore
+from server.state_url import StateUrlError, check_state_url
 
 
 @pytest.fixture(scope="module")
