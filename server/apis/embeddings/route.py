@@ -43,10 +43,9 @@ async def create_embeddings(
     ignore_unknown(body)
     model = allowed_model(gw, principal, body.model, kind="embed")
     pool = model.pool
-    who = caller_of(request, gw, principal, body)
     if pool.relays:  # upstream nodes compute it: pass the request through
-        ask = RouteAsk(await request.body(), caller=who, request_id=new_id("embd"), stream=False, want_usage=False,
-                       max_tokens=0)
+        ask = RouteAsk(await request.body(), caller=caller_of(request, gw, principal, body), request_id=new_id("embd"),
+                       stream=False, want_usage=False, max_tokens=0)
         ask.path = "/v1/embeddings"
         gen = await admit_relay(request, gw, principal, model, ask, session_of(request, body.user))
         return await relay_response(request, gen)
@@ -71,6 +70,7 @@ async def create_embeddings(
     note = request.scope.setdefault("state", {})  # for the access log and the trace
     note.update(key=principal.name, model=model.id, prompt_tokens=total)
     admission = await gw.limits.admit(principal, model.id, total)
+    who = caller_of(request, gw, principal, body)  # after the engine started: the deadline runs from here
     req = EngineEmbeddingRequest(
         request_id=new_id("embd"),
         model=model.id,
