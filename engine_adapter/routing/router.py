@@ -337,7 +337,7 @@ class Router:
         return {"targets": targets, "fallbacks": list(self.fallbacks)}
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, repr=False)
 class _Moves(Generic[L]):
     """What both kinds of an alias's lease share: the chain of targets, the
     one that holds the request now (`_i`, its lease `_inner`), and the move
