@@ -126,6 +126,42 @@ class RelayLease(Held):
 Lease = LocalLease | RelayLease
 
 
+class WrappedLocal(LocalLease):
+    """A local lease around another one (`_inner`, a slot of the subclass):
+    the requests and the release are the inner lease's; the subclass says
+    what `stream()` adds."""
+
+    __slots__ = ()
+    _inner: LocalLease
+
+    @property
+    def requests(self) -> Sequence[GenerationRequest]:
+        return self._inner.requests
+
+    def release(self) -> None:
+        self._inner.release()
+
+
+class WrappedRelay(RelayLease):
+    """A relay lease around another one (`_inner`, a slot of the subclass):
+    the call, the node and the release are the inner lease's; the subclass
+    says what `relay()` adds."""
+
+    __slots__ = ()
+    _inner: RelayLease
+
+    @property
+    def call(self) -> RelayCall:
+        return self._inner.call
+
+    @property
+    def upstream(self) -> str | None:
+        return self._inner.upstream
+
+    def release(self) -> None:
+        self._inner.release()
+
+
 @dataclass(slots=True)
 class Slot:
     """One engine slot held for one request."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from engine_adapter.errors import InvalidRequest, ModelNotFound
-from engine_adapter.lease import Ask, LocalLease, Relayed, RelayLease, Tagged
+from engine_adapter.lease import Ask, LocalLease, Relayed, RelayLease, Tagged, WrappedLocal, WrappedRelay
 from engine_adapter.types import (
     Embedded,
     EmbeddingRequest,
@@ -312,18 +312,11 @@ class _Counted(Generic[L]):
     def served_by(self) -> str:
         return self._inner.served_by
 
-    def release(self) -> None:
-        self._inner.release()
 
-
-class AdapterLease(_Counted[LocalLease], LocalLease):
+class AdapterLease(_Counted[LocalLease], WrappedLocal):
     """The base pool's local lease: tokens and TTFT counted as they come."""
 
     __slots__ = ()
-
-    @property
-    def requests(self) -> Sequence[GenerationRequest]:
-        return self._inner.requests
 
     async def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]:
         m, labels = self._pool.metrics, _labels(self._pool)
@@ -345,19 +338,11 @@ class AdapterLease(_Counted[LocalLease], LocalLease):
                 yield tag, batch
 
 
-class AdapterRelayLease(_Counted[RelayLease], RelayLease):
+class AdapterRelayLease(_Counted[RelayLease], WrappedRelay):
     """The base pool's relay lease (nodes that serve the adapter by name):
     counted from the usage the node reports."""
 
     __slots__ = ()
-
-    @property
-    def call(self) -> RelayCall:
-        return self._inner.call
-
-    @property
-    def upstream(self) -> str | None:
-        return self._inner.upstream
 
     async def relay(self) -> AsyncGenerator[Relayed, None]:
         m, labels = self._pool.metrics, _labels(self._pool)

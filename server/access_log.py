@@ -109,19 +109,6 @@ class AccessLog:
             self._handler.close()
             self._handler = None
 
-    def record(
-        self,
-        scope: Mapping[str, Any],
-        headers: dict[bytes, bytes],
-        state: dict[str, Any],
-        status: int,
-        start_wall: float,
-        start: float,
-        end: float,
-        trace_id: str | None,
-    ) -> dict[str, Any]:
-        return build_record(scope, headers, state, status, start_wall, start, end, trace_id, self.proxies)
-
     def line(self, rec: dict[str, Any]) -> str:
         if self.fmt == "json":
             return orjson.dumps(rec).decode()

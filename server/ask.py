@@ -6,7 +6,7 @@ JSON body, untouched)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -19,6 +19,18 @@ def engine_trace(headers: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str],
     return tuple((k, v) for k, v in headers if k in ("traceparent", "tracestate"))
 
 
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who asks, and until when, alike for every API (server/generation.py
+    `caller_of`): the request's priority, the deadline of the whole request,
+    the key's name, and the headers it forwards (a trace context)."""
+
+    priority: int
+    deadline: float | None
+    api_key_name: str | None
+    forward: tuple[tuple[str, str], ...] = ()
+
+
 class RouteAsk:
     """Subclasses build the local requests in `build(pool)`."""
 
@@ -28,25 +40,19 @@ class RouteAsk:
         self,
         raw: bytes,
         *,
+        caller: Caller,
         request_id: str,
         stream: bool,
         want_usage: bool,
-        priority: int,
-        deadline: float | None,
-        api_key_name: str | None,
         max_tokens: int | None,
         n: int = 1,
-        forward: tuple[tuple[str, str], ...] = (),
         body: dict[str, Any] | None = None,
     ) -> None:
         self.raw = raw
-        self.forward = forward
+        self.caller = caller
         self.request_id = request_id
         self.stream = stream
         self.want_usage = want_usage
-        self.priority = priority
-        self.deadline = deadline
-        self.api_key_name = api_key_name
         self.max_tokens = max_tokens
         self.n = n
         self._built: dict[int, list[GenerationRequest]] = {}
@@ -60,7 +66,7 @@ class RouteAsk:
         reqs = self._built.get(key)
         if reqs is None:
             reqs = self.build(pool)
-            trace = engine_trace(self.forward)
+            trace = engine_trace(self.caller.forward)
             if trace:  # for an engine that traces itself (vLLM's own spans join the request's trace)
                 reqs = [replace(r, trace_headers=trace) for r in reqs]
             self._built[key] = reqs
@@ -69,10 +75,14 @@ class RouteAsk:
     def relay(self, model: str) -> RelayCall:
         if self._body is None:
             self._body = orjson.loads(self.raw)
+        return self.relay_call(model, self.path, self._body, self.stream, self.want_usage)
+
+    def relay_call(self, model: str, path: str, body: dict[str, Any], stream: bool, want_usage: bool) -> RelayCall:
+        """A call to upstream nodes on behalf of this request's caller."""
+        c = self.caller
         return RelayCall(
-            request_id=self.request_id, model=model, path=self.path, body=self._body, stream=self.stream,
-            want_usage=self.want_usage, priority=self.priority, deadline=self.deadline,
-            api_key_name=self.api_key_name, headers=self.forward,
+            request_id=self.request_id, model=model, path=path, body=body, stream=stream, want_usage=want_usage,
+            priority=c.priority, deadline=c.deadline, api_key_name=c.api_key_name, headers=c.forward,
         )
 
     def budget(self) -> int:

@@ -83,8 +83,8 @@ class BridgedAsk(ApiAsk):
     def build(self, pool: Any) -> list[GenerationRequest]:
         try:
             self.plan, reqs = chat_requests(
-                self.chat, pool, self.gw.settings, request_id=self.request_id, api_key_name=self.api_key_name,
-                priority=self.priority,
+                self.chat, pool, self.gw.settings, request_id=self.request_id,
+                api_key_name=self.caller.api_key_name, priority=self.caller.priority,
             )
         except GatewayError as e:
             _rename(e, self.params)

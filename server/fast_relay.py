@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
 from engine_adapter.errors import EngineError, GatewayError
-from server.ask import RouteAsk
+from server.ask import Caller, RouteAsk
 from server.auth import authenticate
 from server.disconnect import Watch
 from server.errors import shape_for
@@ -186,11 +186,13 @@ async def _serve(request: Request, gw: Gateway, take: _Take, raw: bytes, prefix:
     model = take.model
     principal.check_model(model.id)
     explicit = take.priority is not None
+    caller = Caller(
+        principal.priority_for(take.priority or 0, explicit), deadline_after(gw.settings.request_timeout),
+        principal.name, forwarded(request),
+    )
     ask = RouteAsk(
-        raw, request_id=new_id(prefix), stream=take.stream, want_usage=take.want_usage,
-        priority=principal.priority_for(take.priority or 0, explicit),
-        deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name,
-        forward=forwarded(request), max_tokens=take.max_tokens, n=take.n, body=take.body,
+        raw, caller=caller, request_id=new_id(prefix), stream=take.stream, want_usage=take.want_usage,
+        max_tokens=take.max_tokens, n=take.n, body=take.body,
     )
     ask.path = request.scope["path"]
     gen = await admit_relay(request, gw, principal, model, ask, session_of(request, take.user))

@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -40,19 +40,53 @@ from engine_adapter.errors import EngineError, GatewayError, InvalidRequest
 from engine_adapter.lease import Lease, LocalLease, Prepared, RelayLease
 from engine_adapter.types import EngineOutput, GenerationRequest, RelayCall, RelayUsage
 from server import sse
-from server.ask import RouteAsk, engine_trace
+from server.ask import Caller, RouteAsk, engine_trace
 from server.auth import Principal
 from server.disconnect import until_disconnect, watched
 from server.errors import error_event, error_response
 from server.limits import Admission
+from server.protocol import LenientRequest
 from server.queueing import ttft_deadline, with_deadline
 from server.render import Choice, Key, usage
 from server.state import Gateway, ServedModel
+from server.validation import deadline_after
 
 logger = logging.getLogger(__name__)
 
 SERVED_BY = "x-npugw-served-by"
 L = TypeVar("L", LocalLease, RelayLease)
+
+
+def allowed_model(gw: Gateway, principal: Principal, name: str | None, kind: str = "generate") -> ServedModel:
+    """The served model `name` resolves to, once the key may use it."""
+    model = gw.resolve(name, kind)
+    principal.check_model(model.id)
+    return model
+
+
+def ignore_unknown(body: LenientRequest) -> None:
+    """Say (at debug level) which fields of a body are accepted and ignored."""
+    if body.model_extra:
+        logger.debug("ignoring unknown fields: %s", ", ".join(body.unknown_fields()))
+
+
+class _Prioritized(Protocol):
+    @property
+    def priority(self) -> int: ...
+
+    @property
+    def model_fields_set(self) -> set[str]: ...
+
+
+def caller_of(request: Request, gw: Gateway, principal: Principal, body: _Prioritized | None = None) -> Caller:
+    """Who asks: `body`'s priority if it sent one, else its key's default;
+    the deadline of the whole request, from now; the key's name; the headers
+    the request forwards."""
+    if body is None:
+        priority = principal.priority_for(0, False)
+    else:
+        priority = principal.priority_for(body.priority, "priority" in body.model_fields_set)
+    return Caller(priority, deadline_after(gw.settings.request_timeout), principal.name, forwarded(request))
 
 
 def forwarded(request: Request) -> tuple[tuple[str, str], ...]:
@@ -271,7 +305,10 @@ async def admit(
     target an alias picks, in the form it takes: `ask`). Raises a
     `GatewayError` kind; returns only when the request will run: on local
     engines (a `Generation`) or passed through to upstream nodes (a
-    `RelayGeneration`)."""
+    `RelayGeneration`). A route's request is built first where local
+    engines serve the model: a bad request is a 400 before any limit."""
+    if isinstance(ask, RouteAsk) and not model.pool.relays:
+        ask.local(model.pool, model.id)
     budget = ask.budget()
     ask = with_deadline(ask, ttft_deadline(request, principal))  # a bad header is a 400 here, before any limit
     note = request.scope.setdefault("state", {})

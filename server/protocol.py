@@ -9,22 +9,49 @@ pydantic models); the response models here document them in the OpenAPI spec.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
-class _Request(BaseModel):
+# ---- shared by every API's request models (server/apis/*/protocol.py) -------
+class LenientRequest(BaseModel):
+    """A request body: unknown fields are accepted, kept and listed."""
+
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     def unknown_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
 
 
-def _finite(v: float | None) -> float | None:
+def finite(v: float | None) -> float | None:
+    """A field validator: NaN and infinities are refused."""
     if v is not None and not math.isfinite(v):
         raise ValueError("must be a finite number")
     return v
+
+
+class _HasText(Protocol):
+    text: str
+
+
+def joined_text(content: str | Sequence[_HasText]) -> str:
+    """A content field's text: the string itself, or its parts' joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.text for p in content)
+
+
+def type_tag(default: str) -> Callable[[Any], str]:
+    """A union's discriminator on a `type` field: the key of a dict, the
+    attribute of a model, `default` where it is missing or not a string."""
+
+    def tag(v: Any) -> str:
+        t = v.get("type", default) if isinstance(v, dict) else getattr(v, "type", default)
+        return t if isinstance(t, str) else default
+
+    return tag
 
 
 # ---- chat messages --------------------------------------------------------
@@ -120,7 +147,7 @@ NonNegInt = Annotated[int, Field(ge=0)]
 PosInt = Annotated[int, Field(ge=1)]
 
 
-class _Sampling(_Request):
+class _Sampling(LenientRequest):
     """Fields shared by chat and completions requests."""
 
     model: str
@@ -153,7 +180,7 @@ class _Sampling(_Request):
 
     _finite_fields = field_validator(
         "temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"
-    )(_finite)
+    )(finite)
 
     @field_validator("stop")
     @classmethod
@@ -204,7 +231,7 @@ class CompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(LenientRequest):
     model: str
     input: (
         str
@@ -218,7 +245,7 @@ class EmbeddingRequest(_Request):
     priority: int = 0
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(LenientRequest):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
@@ -233,7 +260,7 @@ class TokenizeRequest(_Request):
         return self
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(LenientRequest):
     model: str | None = None
     tokens: list[NonNegInt]
 

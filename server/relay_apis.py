@@ -82,11 +82,7 @@ class ApiAsk(RouteAsk):
         body = {**self._translate(), "model": model}
         if self.via_stream:
             body["stream"] = True
-        return RelayCall(
-            request_id=self.request_id, model=model, path=self.via, body=body, stream=self.via_stream,
-            want_usage=False,
-            priority=self.priority, deadline=self.deadline, api_key_name=self.api_key_name, headers=self.forward,
-        )
+        return self.relay_call(model, self.via, body, self.via_stream, False)
 
 
 async def relayed_response(

@@ -67,12 +67,18 @@ class Database:
                 self._engine = await self._open()
         return self._engine
 
+    def _sqlite(self) -> bool:
+        """Whether the database is SQLite; its file's folder is made here if
+        missing."""
+        if not self.url.startswith("sqlite"):
+            return False
+        path = self.url.split(":///", 1)[1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return True
+
     async def _open(self) -> AsyncEngine:
-        sqlite = self.url.startswith("sqlite")
-        if sqlite:
-            path = self.url.split(":///", 1)[1]
-            if path and path != ":memory:":
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
+        sqlite = self._sqlite()
         engine = create_async_engine(self.url, connect_args={"timeout": 30} if sqlite else {})
         if sqlite:
             event.listen(engine.sync_engine, "connect", _sqlite_pragmas)

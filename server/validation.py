@@ -199,17 +199,7 @@ def build_chat_request(
         body, max_tokens, max_n, logprobs=top if body.logprobs else None,
         structured=structured, vocab_hint=vocab_hint,
     )
-    return GenerationRequest(
-        request_id=request_id,
-        model=model,
-        prompt_token_ids=tuple(prompt_ids),
-        prompt=prompt,
-        sampling=opts,
-        priority=body.priority if priority is None else priority,
-        deadline=deadline_after(timeout),
-        stream=bool(body.stream),
-        api_key_name=api_key_name,
-    )
+    return _engine_request(body, opts, prompt, prompt_ids, request_id, model, timeout, api_key_name, priority)
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -266,6 +256,22 @@ def build_completion_request(
         structured=structured,
         vocab_hint=vocab_hint,
     )
+    return _engine_request(body, opts, prompt, prompt_ids, request_id, model, timeout, api_key_name, priority)
+
+
+def _engine_request(
+    body: _Sampling,
+    opts: SamplingOptions,
+    prompt: str | None,
+    prompt_ids: list[int],
+    request_id: str,
+    model: str,
+    timeout: float,
+    api_key_name: str | None,
+    priority: int | None,
+) -> GenerationRequest:
+    """A chat or completion body's engine request, its sampling settled
+    (`priority`: the key's, when the caller settled it; else the body's)."""
     return GenerationRequest(
         request_id=request_id,
         model=model,

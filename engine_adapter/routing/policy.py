@@ -224,27 +224,24 @@ class PrefixPolicy(RoutingPolicy):
 
     # ---- keys ------------------------------------------------------------
     def key_for_tokens(self, token_ids: Sequence[int], session: str | None, adapter: str | None = None) -> RouteKey:
-        b = self.route_tokens
         ids = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
-        n = min(len(ids) // b, self.max_key_blocks)
+        return self._chained(ids, self.route_tokens, session, adapter)
+
+    def key_for_body(self, body: Mapping[str, Any], session: str | None, adapter: str | None = None) -> RouteKey:
+        parts = [orjson.dumps(body[k]) for k in _PROMPT_FIELDS if body.get(k) is not None]
+        return self._chained(b"\x00".join(parts), self.block_bytes, session, adapter)
+
+    def _chained(self, seq: tuple[int, ...] | bytes, b: int, session: str | None, adapter: str | None) -> RouteKey:
+        """The key of `seq` (token ids, or the bytes of a body's prompt) in
+        whole blocks of `b`: each block's hash chains the one before, so it
+        stands for the whole prefix it ends."""
+        n = min(len(seq) // b, self.max_key_blocks)
         blocks: list[int] = []
         # A LoRA adapter's KV blocks are not the base model's (vLLM keys
         # its prefix cache by adapter too): its chain starts elsewhere.
         h = hash(adapter) if adapter else 0
         for i in range(0, n * b, b):
-            h = hash((h, ids[i:i + b]))
-            blocks.append(h)
-        return RouteKey(session, tuple(blocks), b)
-
-    def key_for_body(self, body: Mapping[str, Any], session: str | None, adapter: str | None = None) -> RouteKey:
-        parts = [orjson.dumps(body[k]) for k in _PROMPT_FIELDS if body.get(k) is not None]
-        text = b"\x00".join(parts)
-        b = self.block_bytes
-        n = min(len(text) // b, self.max_key_blocks)
-        blocks: list[int] = []
-        h = hash(adapter) if adapter else 0
-        for i in range(0, n * b, b):
-            h = hash((h, text[i:i + b]))
+            h = hash((h, seq[i:i + b]))
             blocks.append(h)
         return RouteKey(session, tuple(blocks), b)
 

@@ -26,22 +26,20 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from engine_adapter.errors import GatewayError, ServiceUnavailable, fallback_reason, target_failed
-from engine_adapter.lease import Ask, Lease, LocalLease, Relayed, RelayLease, Tagged
+from engine_adapter.lease import Ask, Lease, LocalLease, Relayed, RelayLease, Tagged, WrappedLocal, WrappedRelay
 from engine_adapter.routing.metrics import RoutingMetrics
 from engine_adapter.routing.spec import CanaryPolicy, RouteSpec
 from engine_adapter.types import Embedded, EmbeddingRequest, EngineStats, ModelCard, Tokenizer
 
-if TYPE_CHECKING:
-    from engine_adapter.types import GenerationRequest, RelayCall
-
 logger = logging.getLogger(__name__)
 L = TypeVar("L", LocalLease, RelayLease)
+T = TypeVar("T")
 
 
 class ServedPool(Protocol):
@@ -339,17 +337,17 @@ class Router:
         return {"targets": targets, "fallbacks": list(self.fallbacks)}
 
 
-class _Moves:
+@dataclass(slots=True, eq=False, repr=False)
+class _Moves(Generic[L]):
     """What both kinds of an alias's lease share: the chain of targets, the
-    one that holds the request now, and the move to the next."""
+    one that holds the request now (`_i`, its lease `_inner`), and the move
+    to the next."""
 
-    __slots__ = ("_ask", "_chain", "_i", "_router")
-
-    def __init__(self, router: Router, chain: list[tuple[str, ServedPool, Target | None]], i: int, ask: Ask) -> None:
-        self._router = router
-        self._chain = chain
-        self._i = i
-        self._ask = ask
+    _router: Router
+    _chain: list[tuple[str, ServedPool, Target | None]]
+    _i: int
+    _inner: L
+    _ask: Ask
 
     @property
     def served_by(self) -> str:
@@ -369,28 +367,17 @@ class _Moves:
         self._i = i
         return inner
 
-
-class RouterLocalLease(_Moves, LocalLease):
-    """A lease on one local target of an alias. If that target fails before
-    the first token, the lease moves on to the next target of the chain
-    that admits the request; the HTTP layer waits for that first output
-    before its status line, so `served_by` names the target that answers.
-    A stream cannot turn into a relay midway: a next target of upstream
-    nodes fails it with the first target's error."""
-
-    __slots__ = ("_inner",)
-
-    def __init__(
-        self, router: Router, chain: list[tuple[str, ServedPool, Target | None]], i: int, inner: LocalLease, ask: Ask
-    ) -> None:
-        super().__init__(router, chain, i, ask)
-        self._inner = inner
-
-    @property
-    def requests(self) -> Sequence[GenerationRequest]:
-        return self._inner.requests
-
-    async def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]:
+    async def _follow(
+        self,
+        kind: type[L],
+        items: Callable[[L], AsyncGenerator[T, None]],
+        first: Callable[[T], bool],
+        deadline: Callable[[L], float],
+    ) -> AsyncGenerator[T, None]:
+        """The `items` of the lease on target `_i`, timed to the `first`
+        one (a token, a byte of the node's answer); a failure moves the
+        lease on to the next target (`_next`, with the request's `deadline`)
+        and its items follow."""
         router = self._router
         while True:
             name, _, target = self._chain[self._i]
@@ -398,15 +385,14 @@ class RouterLocalLease(_Moves, LocalLease):
             ttft: float | None = None
             inner = self._inner
             try:
-                async with aclosing(inner.stream(idle_tick)) as stream:
-                    async for tag, batch in stream:
-                        if batch and ttft is None:
+                async with aclosing(items(inner)) as stream:
+                    async for item in stream:
+                        if ttft is None and first(item):
                             ttft = time.monotonic() - start
-                        yield tag, batch
+                        yield item
             except GatewayError as e:
                 inner.release()
-                deadline = min((r.deadline for r in inner.requests if r.deadline is not None), default=math.inf)
-                self._inner = await self._next(e, deadline, ttft, LocalLease)  # type: ignore[type-abstract]
+                self._inner = await self._next(e, deadline(inner), ttft, kind)
                 continue
             except BaseException:
                 inner.release()
@@ -416,56 +402,37 @@ class RouterLocalLease(_Moves, LocalLease):
             router._record(target, name, "ok", False, ttft)
             return
 
-    def release(self) -> None:
-        self._inner.release()
+
+class RouterLocalLease(_Moves[LocalLease], WrappedLocal):
+    """A lease on one local target of an alias. If that target fails before
+    the first token, the lease moves on to the next target of the chain
+    that admits the request; the HTTP layer waits for that first output
+    before its status line, so `served_by` names the target that answers.
+    A stream cannot turn into a relay midway: a next target of upstream
+    nodes fails it with the first target's error."""
+
+    __slots__ = ()
+
+    def stream(self, idle_tick: float | None = None) -> AsyncGenerator[Tagged, None]:
+        return self._follow(
+            LocalLease,  # type: ignore[type-abstract]
+            lambda inner: inner.stream(idle_tick),
+            lambda item: bool(item[1]),  # a batch of outputs, not an idle tick
+            lambda inner: min((r.deadline for r in inner.requests if r.deadline is not None), default=math.inf),
+        )
 
 
-class RouterRelayLease(_Moves, RelayLease):
+class RouterRelayLease(_Moves[RelayLease], WrappedRelay):
     """A lease on one target of upstream nodes of an alias: as
     RouterLocalLease, it moves on before the node's first byte; a relay
     cannot turn into a local stream midway."""
 
-    __slots__ = ("_inner",)
+    __slots__ = ()
 
-    def __init__(
-        self, router: Router, chain: list[tuple[str, ServedPool, Target | None]], i: int, inner: RelayLease, ask: Ask
-    ) -> None:
-        super().__init__(router, chain, i, ask)
-        self._inner = inner
-
-    @property
-    def call(self) -> RelayCall:
-        return self._inner.call
-
-    @property
-    def upstream(self) -> str | None:
-        return self._inner.upstream
-
-    async def relay(self) -> AsyncGenerator[Relayed, None]:
-        router = self._router
-        while True:
-            name, _, target = self._chain[self._i]
-            start = time.monotonic()
-            ttfb: float | None = None
-            inner = self._inner
-            try:
-                async with aclosing(inner.relay()) as items:
-                    async for item in items:
-                        if ttfb is None and isinstance(item, bytes):
-                            ttfb = time.monotonic() - start
-                        yield item
-            except GatewayError as e:
-                inner.release()
-                deadline = inner.call.deadline if inner.call.deadline is not None else math.inf
-                self._inner = await self._next(e, deadline, ttfb, RelayLease)  # type: ignore[type-abstract]
-                continue
-            except BaseException:
-                inner.release()
-                router._record(target, name, "cancelled", None, None)
-                raise
-            inner.release()
-            router._record(target, name, "ok", False, ttfb)
-            return
-
-    def release(self) -> None:
-        self._inner.release()
+    def relay(self) -> AsyncGenerator[Relayed, None]:
+        return self._follow(
+            RelayLease,  # type: ignore[type-abstract]
+            lambda inner: inner.relay(),
+            lambda item: isinstance(item, bytes),  # not the usage the node reports
+            lambda inner: inner.call.deadline if inner.call.deadline is not None else math.inf,
+        )

@@ -8,6 +8,7 @@ from fastapi import APIRouter
 
 from engine_adapter.errors import InvalidRequest
 from server.deps import AuthDep, GatewayDep
+from server.generation import allowed_model
 from server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.routes.docs import ERRORS
 from server.tools import plan_tools
@@ -18,8 +19,7 @@ router = APIRouter(tags=["vllm"])
 
 @router.post("/tokenize", response_model=None, responses=ERRORS)
 async def tokenize(body: TokenizeRequest, gw: GatewayDep, principal: AuthDep) -> dict[str, Any]:
-    model = gw.resolve(body.model, kind=_kind(gw, body.model))
-    principal.check_model(model.id)
+    model = allowed_model(gw, principal, body.model, kind=_kind(gw, body.model))
     await model.pool.ensure_started()
     tok = model.pool.tokenizer
     if body.messages is not None:
@@ -40,8 +40,7 @@ async def tokenize(body: TokenizeRequest, gw: GatewayDep, principal: AuthDep) ->
 
 @router.post("/detokenize", response_model=None, responses=ERRORS)
 async def detokenize(body: DetokenizeRequest, gw: GatewayDep, principal: AuthDep) -> dict[str, Any]:
-    model = gw.resolve(body.model, kind=_kind(gw, body.model))
-    principal.check_model(model.id)
+    model = allowed_model(gw, principal, body.model, kind=_kind(gw, body.model))
     await model.pool.ensure_started()
     tok = model.pool.tokenizer
     if body.tokens and max(body.tokens) >= tok.vocab_size:

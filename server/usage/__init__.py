@@ -18,21 +18,17 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from server.settings import Settings
+from server.store import database_url
 from server.usage.budgets import BudgetBook
-from server.usage.ledger import Ledger, database_url
+from server.usage.ledger import Ledger
 from server.usage.state import LedgerCollector, Usage
 
 START_WAIT = 10.0  # seconds the start waits for the database (migrations, budgets) before going on
 
 
 def ledger_url(settings: Settings) -> str | None:
-    value = settings.usage_db
-    if value is not None and value.strip().lower() in ("none", ""):
-        return None
-    if value is not None and "://" in value:
-        return database_url(value)
-    path = Path(value).expanduser() if value else settings.data_dir.expanduser() / "usage.db"
-    return f"sqlite+aiosqlite:///{path}"
+    """`--usage-db` as an async URL (store.database_url), None for none."""
+    return database_url(settings.usage_db, settings.data_dir, "usage.db")
 
 
 def setup_usage(app: Any, settings: Settings, registry: CollectorRegistry) -> Usage:

@@ -44,15 +44,6 @@ API_PATHS = ("/v1/", "/generate", "/tokenize", "/detokenize")
 IDLE_REFRESH = 5.0  # seconds between reads of run-time budgets while no key has budgets
 
 
-def database_url(value: str) -> str:
-    """`sqlite:///PATH`, `postgresql://...` or an SQLAlchemy async URL -> an async URL."""
-    for plain, driver in (("sqlite://", "sqlite+aiosqlite://"), ("postgresql://", "postgresql+asyncpg://"),
-                          ("postgres://", "postgresql+asyncpg://")):
-        if value.startswith(plain):
-            return driver + value[len(plain):]
-    return value
-
-
 class LedgerDatabase(Database):
     """store.Database, with the ledger's migrations instead of create_all,
     and short connect and command timeouts (the writer spools instead of
@@ -63,11 +54,8 @@ class LedgerDatabase(Database):
         self.timeout = timeout
 
     async def _open(self) -> AsyncEngine:
-        sqlite_db = self.url.startswith("sqlite")
+        sqlite_db = self._sqlite()
         if sqlite_db:
-            path = self.url.split(":///", 1)[1]
-            if path and path != ":memory:":
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
             args: dict[str, Any] = {"timeout": self.timeout}
         else:
             args = {"timeout": self.timeout, "command_timeout": self.timeout}

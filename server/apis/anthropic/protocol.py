@@ -8,10 +8,11 @@ images, are refused: the gateway serves text models).
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from server.protocol import LenientRequest, finite, joined_text, type_tag
 
 
 class _Block(BaseModel):
@@ -37,14 +38,7 @@ class ToolResultBlock(_Block):
     is_error: bool | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(b.text for b in self.content)
-
-
-def _block_type(v: Any) -> str:
-    t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
-    return t if isinstance(t, str) else ""
+        return joined_text(self.content)
 
 
 Block = Annotated[
@@ -52,7 +46,7 @@ Block = Annotated[
     | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")],
     Discriminator(
-        _block_type,
+        type_tag(""),
         custom_error_type="content_block_type",
         custom_error_message="content blocks are `text`, `tool_use` or `tool_result`",
     ),
@@ -80,9 +74,7 @@ class Metadata(_Block):
     user_id: str | None = None
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class _Request(LenientRequest):
     model: str
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[TextBlock] | None = None
@@ -93,9 +85,6 @@ class _Request(BaseModel):
         if self.system is None or isinstance(self.system, str):
             return self.system or None
         return "\n".join(b.text for b in self.system) or None
-
-    def unknown_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
 
 
 class MessagesRequest(_Request):
@@ -109,12 +98,7 @@ class MessagesRequest(_Request):
     # --- gateway extensions ---
     priority: int = 0
 
-    @field_validator("temperature", "top_p")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
+    _finite_fields = field_validator("temperature", "top_p")(finite)
 
 
 class CountTokensRequest(_Request):

@@ -12,7 +12,6 @@ and `anthropic-version` is accepted whatever its value.
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 import orjson
@@ -29,7 +28,9 @@ from server.generation import (
     RelayGeneration,
     admit,
     admit_relay,
-    forwarded,
+    allowed_model,
+    caller_of,
+    ignore_unknown,
     json_response,
     session_of,
     stream_response,
@@ -38,9 +39,8 @@ from server.relay_apis import ApiAsk, relayed_response
 from server.render import ChatDeltaView, Choice, Key
 from server.routes.docs import JSON_OR_SSE
 from server.tools import ToolPlan, ToolStreamer, plan_tools
-from server.validation import chat_prompt, deadline_after, new_id
+from server.validation import chat_prompt, new_id
 
-logger = logging.getLogger(__name__)
 router = APIRouter(tags=["anthropic"])
 
 # chat's parameter names -> Anthropic's, for error messages
@@ -109,24 +109,18 @@ def chat_fields(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
 
 @router.post("/v1/messages", response_model=None, responses=_JSON_OR_SSE)
 async def create_message(body: MessagesRequest, request: Request, gw: GatewayDep, principal: AuthDep) -> Response:
-    if body.model_extra:
-        logger.debug("ignoring unknown fields: %s", ", ".join(body.unknown_fields()))
+    ignore_unknown(body)
     fields = chat_fields(body)
     chat = as_chat(fields, _PARAMS)
-    model = gw.resolve(chat.model)
-    principal.check_model(model.id)
+    model = allowed_model(gw, principal, chat.model)
     rid = new_id("msg")
     # a local engine: the chat translation, built as chat's; upstream nodes: passed through, or that
     # translation sent to their chat completions
     ask = BridgedAsk(
         chat, await request.body(), params=_PARAMS, gw=gw, api="messages", path="/v1/messages",
-        via="/v1/chat/completions", translate=lambda: fields, request_id=rid, stream=body.stream, want_usage=False,
-        priority=principal.priority_for(body.priority, "priority" in body.model_fields_set),
-        deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name,
-        max_tokens=body.max_tokens, forward=forwarded(request),
+        via="/v1/chat/completions", translate=lambda: fields, caller=caller_of(request, gw, principal, body),
+        request_id=rid, stream=body.stream, want_usage=False, max_tokens=body.max_tokens,
     )
-    if not model.pool.relays:
-        ask.local(model.pool, model.id)  # a bad request is a 400 before admission
     user = body.metadata.user_id if body.metadata else None
     gen = await admit(request, gw, principal, model, ask, session_of(request, user))
     if isinstance(gen, RelayGeneration):
@@ -143,17 +137,15 @@ async def create_message(body: MessagesRequest, request: Request, gw: GatewayDep
 async def count_tokens(body: CountTokensRequest, request: Request, gw: GatewayDep, principal: AuthDep) -> Response:
     fields = chat_fields(body)
     chat = as_chat(fields, _PARAMS)
-    model = gw.resolve(chat.model)
-    principal.check_model(model.id)
+    model = allowed_model(gw, principal, chat.model)
     if model.pool.relays:  # the node counts: its own count_tokens, else its /tokenize of the chat messages
         rid = new_id("count")
         tokenize = {k: v for k, v in fields.items() if k in ("messages", "tools", "add_generation_prompt",
                                                              "continue_final_message")}
         ask = ApiAsk(
             await request.body(), gw=gw, api="count_tokens", path="/v1/messages/count_tokens", via="/tokenize",
-            translate=lambda: tokenize, via_stream=False, request_id=rid, stream=False, want_usage=False,
-            priority=principal.priority_for(0, False), deadline=deadline_after(gw.settings.request_timeout),
-            api_key_name=principal.name, max_tokens=0, forward=forwarded(request),
+            translate=lambda: tokenize, via_stream=False, caller=caller_of(request, gw, principal), request_id=rid,
+            stream=False, want_usage=False, max_tokens=0,
         )
         gen = await admit_relay(request, gw, principal, model, ask, None)
         return await relayed_response(request, gen, "/v1/messages/count_tokens", _Counted(gen), stream=False)

@@ -3,7 +3,6 @@ render chat JSON or chunks."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -15,16 +14,25 @@ from server.ask import RouteAsk
 from server.auth import Principal
 from server.chat_bridge import chat_requests
 from server.deps import AuthDep, GatewayDep
-from server.generation import Generation, RelayGeneration, admit, forwarded, json_response, session_of, stream_response
+from server.generation import (
+    Generation,
+    RelayGeneration,
+    admit,
+    allowed_model,
+    caller_of,
+    ignore_unknown,
+    json_response,
+    session_of,
+    stream_response,
+)
 from server.protocol import ChatCompletionRequest
 from server.relay import relay_response
 from server.render import Choice, Key, chat_logprobs, finish
 from server.routes.docs import JSON_OR_SSE
 from server.state import Gateway
 from server.tools import ToolPlan
-from server.validation import deadline_after, new_id
+from server.validation import new_id
 
-logger = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
 
 
@@ -32,20 +40,14 @@ router = APIRouter(tags=["openai"])
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, gw: GatewayDep, principal: AuthDep
 ) -> Response:
-    if body.model_extra:
-        logger.debug("ignoring unknown fields: %s", ", ".join(body.unknown_fields()))
-    model = gw.resolve(body.model)
-    principal.check_model(model.id)
+    ignore_unknown(body)
+    model = allowed_model(gw, principal, body.model)
     ask = ChatAsk(
-        body, gw, principal, await request.body(), request_id=new_id("chatcmpl"), stream=body.stream,
+        body, gw, principal, await request.body(), caller=caller_of(request, gw, principal, body),
+        request_id=new_id("chatcmpl"), stream=body.stream,
         want_usage=bool(body.stream_options and body.stream_options.include_usage),
-        priority=principal.priority_for(body.priority, "priority" in body.model_fields_set),
-        deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name,
-        forward=forwarded(request),
         max_tokens=body.max_completion_tokens or body.max_tokens, n=body.n,
     )
-    if not model.pool.relays:
-        ask.local(model.pool, model.id)  # a bad request is a 400 before admission
     gen = await admit(request, gw, principal, model, ask, session_of(request, body.user))
     if isinstance(gen, RelayGeneration):
         return await relay_response(request, gen)
@@ -72,8 +74,8 @@ class ChatAsk(RouteAsk):
 
     def build(self, pool: Any) -> list[GenerationRequest]:
         self.plan, reqs = chat_requests(
-            self.body, pool, self.gw.settings, request_id=self.request_id, api_key_name=self.api_key_name,
-            priority=self.priority,
+            self.body, pool, self.gw.settings, request_id=self.request_id,
+            api_key_name=self.caller.api_key_name, priority=self.caller.priority,
         )
         return reqs
 

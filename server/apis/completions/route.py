@@ -3,7 +3,6 @@ text_completion JSON or chunks."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,15 +12,24 @@ from engine_adapter.types import EngineOutput, GenerationRequest
 from server import sse
 from server.ask import RouteAsk
 from server.deps import AuthDep, GatewayDep
-from server.generation import Generation, RelayGeneration, admit, forwarded, json_response, session_of, stream_response
+from server.generation import (
+    Generation,
+    RelayGeneration,
+    admit,
+    allowed_model,
+    caller_of,
+    ignore_unknown,
+    json_response,
+    session_of,
+    stream_response,
+)
 from server.protocol import CompletionRequest
 from server.relay import relay_response
 from server.render import Choice, CompletionLogprobs, Key, finish
 from server.routes.docs import JSON_OR_SSE
 from server.state import Gateway, ServedModel
-from server.validation import build_completion_request, completion_prompts, deadline_after, new_id
+from server.validation import build_completion_request, completion_prompts, new_id
 
-logger = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
 
 
@@ -29,21 +37,14 @@ router = APIRouter(tags=["openai"])
 async def create_completion(
     body: CompletionRequest, request: Request, gw: GatewayDep, principal: AuthDep
 ) -> Response:
-    if body.model_extra:
-        logger.debug("ignoring unknown fields: %s", ", ".join(body.unknown_fields()))
-    model = gw.resolve(body.model)
-    principal.check_model(model.id)
+    ignore_unknown(body)
+    model = allowed_model(gw, principal, body.model)
     rid = new_id("cmpl")
     ask = CompletionAsk(
-        body, gw, await request.body(), request_id=rid, stream=body.stream,
-        want_usage=bool(body.stream_options and body.stream_options.include_usage),
-        priority=principal.priority_for(body.priority, "priority" in body.model_fields_set),
-        deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name,
-        forward=forwarded(request),
+        body, gw, await request.body(), caller=caller_of(request, gw, principal, body), request_id=rid,
+        stream=body.stream, want_usage=bool(body.stream_options and body.stream_options.include_usage),
         max_tokens=body.max_tokens, n=body.n,
     )
-    if not model.pool.relays:
-        ask.local(model.pool, model.id)  # a bad request is a 400 before admission
     gen = await admit(request, gw, principal, model, ask, session_of(request, body.user))
     if isinstance(gen, RelayGeneration):
         return await relay_response(request, gen)
@@ -69,8 +70,8 @@ class CompletionAsk(RouteAsk):
         return [
             build_completion_request(
                 body, text, ids, request_id=f"{self.request_id}-{i}", model=pool.name, card=pool.card,
-                max_n=s.max_n, timeout=s.request_timeout, api_key_name=self.api_key_name,
-                priority=self.priority, vocab_hint=pool.tokenizer.vocab_size,
+                max_n=s.max_n, timeout=s.request_timeout, api_key_name=self.caller.api_key_name,
+                priority=self.caller.priority, vocab_hint=pool.tokenizer.vocab_size,
             )
             for i, (text, ids) in enumerate(completion_prompts(body, pool.tokenizer))
         ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import logging
 import struct
 from typing import Any
 
@@ -17,13 +16,12 @@ from engine_adapter.types import Tokenizer
 from server.ask import RouteAsk
 from server.deps import AuthDep, GatewayDep
 from server.disconnect import until_disconnect
-from server.generation import SERVED_BY, admit_relay, forwarded, session_of
+from server.generation import SERVED_BY, admit_relay, allowed_model, caller_of, ignore_unknown, session_of
 from server.protocol import EmbeddingRequest
 from server.relay import relay_response
 from server.routes.docs import ERRORS
-from server.validation import deadline_after, new_id, prompt_inputs
+from server.validation import new_id, prompt_inputs
 
-logger = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
 
 
@@ -42,16 +40,12 @@ def _inputs(body: EmbeddingRequest, tokenizer: Tokenizer) -> list[list[int]]:
 async def create_embeddings(
     body: EmbeddingRequest, request: Request, gw: GatewayDep, principal: AuthDep
 ) -> Response:
-    if body.model_extra:
-        logger.debug("ignoring unknown fields: %s", ", ".join(body.unknown_fields()))
-    model = gw.resolve(body.model, kind="embed")
-    principal.check_model(model.id)
+    ignore_unknown(body)
+    model = allowed_model(gw, principal, body.model, kind="embed")
     pool = model.pool
     if pool.relays:  # upstream nodes compute it: pass the request through
-        ask = RouteAsk(await request.body(), request_id=new_id("embd"), stream=False, want_usage=False,
-                       priority=principal.priority_for(body.priority, "priority" in body.model_fields_set),
-                       deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name,
-                       max_tokens=0, forward=forwarded(request))
+        ask = RouteAsk(await request.body(), caller=caller_of(request, gw, principal, body), request_id=new_id("embd"),
+                       stream=False, want_usage=False, max_tokens=0)
         ask.path = "/v1/embeddings"
         gen = await admit_relay(request, gw, principal, model, ask, session_of(request, body.user))
         return await relay_response(request, gen)
@@ -76,13 +70,14 @@ async def create_embeddings(
     note = request.scope.setdefault("state", {})  # for the access log and the trace
     note.update(key=principal.name, model=model.id, prompt_tokens=total)
     admission = await gw.limits.admit(principal, model.id, total)
+    who = caller_of(request, gw, principal, body)  # after the engine started: the deadline runs from here
     req = EngineEmbeddingRequest(
         request_id=new_id("embd"),
         model=model.id,
         inputs=tuple(tuple(s) for s in seqs),
-        priority=principal.priority_for(body.priority, "priority" in body.model_fields_set),
-        deadline=deadline_after(gw.settings.request_timeout),
-        api_key_name=principal.name,
+        priority=who.priority,
+        deadline=who.deadline,
+        api_key_name=who.api_key_name,
     )
     try:
         got = await until_disconnect(request, pool.embed(req, session_of(request, body.user)))

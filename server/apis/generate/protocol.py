@@ -13,12 +13,11 @@ neither fails with `SHAPE_ERROR`, which the error handler answers with 400.
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from server.protocol import PosInt, _Sampling
+from server.protocol import PosInt, _Sampling, finite
 
 SHAPE_ERROR = "generate_shape"
 
@@ -60,12 +59,9 @@ class TgiParameters(BaseModel):
     typical_p: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
     watermark: bool = False
 
-    @field_validator("temperature", "top_p", "repetition_penalty", "frequency_penalty", "typical_p")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
+    _finite_fields = field_validator(
+        "temperature", "top_p", "repetition_penalty", "frequency_penalty", "typical_p"
+    )(finite)
 
 
 class TgiGenerateRequest(BaseModel):

@@ -26,10 +26,20 @@ from engine_adapter.errors import InvalidRequest
 from engine_adapter.types import EngineOutput, GenerationRequest, SamplingOptions, StructuredOutput, TokenLogprob
 from server.apis.generate.protocol import GenerateRequest, TgiGenerateRequest, VllmGenerateRequest
 from server.apis.generate.relay import TgiView, VllmView, estimate_tgi, estimate_vllm, tgi_completion, vllm_completion
+from server.ask import Caller
 from server.auth import Principal
 from server.deps import AuthDep, GatewayDep
 from server.errors import tgi_error_event
-from server.generation import admit_local, admit_relay, forwarded, json_response, prepared, session_of, stream_response
+from server.generation import (
+    admit_local,
+    admit_relay,
+    allowed_model,
+    caller_of,
+    json_response,
+    prepared,
+    session_of,
+    stream_response,
+)
 from server.relay_apis import ApiAsk, relayed_response
 from server.render import Choice, Key
 from server.state import Gateway, ServedModel
@@ -56,10 +66,10 @@ _COMPAT = {**_ERRORS, 200: {
 async def generate(body: GenerateRequest, request: Request, gw: GatewayDep, principal: AuthDep) -> Response:
     if isinstance(body, TgiGenerateRequest):
         return await _tgi(body, request, gw, principal, stream=False)
-    target = _model(gw, principal, body.model)
+    target = allowed_model(gw, principal, body.model)
     if target.pool.relays:  # upstream nodes: passed through, or translated to completions for them
-        ask = _relay_ask(request, gw, principal, "generate", "/generate", vllm_completion(body), body.stream,
-                         body.max_tokens, principal.priority_for(body.priority, "priority" in body.model_fields_set))
+        ask = _relay_ask(request, gw, "generate", "/generate", vllm_completion(body), body.stream, body.max_tokens,
+                         caller_of(request, gw, principal, body))
         relayed = await admit_relay(request, gw, principal, target, await ask, session_of(request, body.user))
         return await relayed_response(request, relayed, "/generate", VllmView(body.prompt), stream=body.stream,
                                       media_type="application/x-ndjson" if body.stream else "application/json",
@@ -103,12 +113,6 @@ async def tgi_compat(body: TgiGenerateRequest, request: Request, gw: GatewayDep,
         k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")})
 
 
-def _model(gw: Gateway, principal: Principal, name: str | None) -> ServedModel:
-    model = gw.resolve(name)
-    principal.check_model(model.id)
-    return model
-
-
 def _prompt_ids(model: ServedModel, text: str, param: str) -> list[int]:
     ids = model.pool.tokenizer.encode(text, add_special_tokens=True)
     if not ids:
@@ -119,7 +123,7 @@ def _prompt_ids(model: ServedModel, text: str, param: str) -> list[int]:
 def _vllm_request(
     body: VllmGenerateRequest, gw: Gateway, principal: Principal
 ) -> tuple[ServedModel, GenerationRequest]:
-    model = _model(gw, principal, body.model)
+    model = allowed_model(gw, principal, body.model)
     ids = _prompt_ids(model, body.prompt, "prompt")
     card, tok = model.pool.card, model.pool.tokenizer
     opts = sampling_options(body, budget(len(ids), body.max_tokens, card), gw.settings.max_n, logprobs=None,
@@ -135,7 +139,7 @@ def _tgi_request(body: TgiGenerateRequest, gw: Gateway, principal: Principal, st
     ServedModel, GenerationRequest
 ]:
     p = body.parameters
-    model = _model(gw, principal, body.model)
+    model = allowed_model(gw, principal, body.model)
     if p.best_of is not None and p.best_of > 1:
         raise InvalidRequest("best_of is not supported", param="parameters.best_of")
     ids = _prompt_ids(model, body.inputs, "inputs")
@@ -197,24 +201,22 @@ def _top(lp: TokenLogprob) -> list[dict[str, Any]]:
 
 
 async def _relay_ask(
-    request: Request, gw: Gateway, principal: Principal, api: str, path: str, completion: dict[str, Any],
-    stream: bool, max_tokens: int | None, priority: int,
+    request: Request, gw: Gateway, api: str, path: str, completion: dict[str, Any], stream: bool,
+    max_tokens: int | None, caller: Caller,
 ) -> ApiAsk:
     return ApiAsk(
-        await request.body(), gw=gw, api=api, path=path, via="/v1/completions",
-        translate=lambda: completion, request_id=new_id("gen"), stream=stream, want_usage=False, priority=priority,
-        deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name, max_tokens=max_tokens,
-        forward=forwarded(request),
+        await request.body(), gw=gw, api=api, path=path, via="/v1/completions", translate=lambda: completion,
+        caller=caller, request_id=new_id("gen"), stream=stream, want_usage=False, max_tokens=max_tokens,
     )
 
 
 async def _tgi(body: TgiGenerateRequest, request: Request, gw: Gateway, principal: Principal, stream: bool) -> Response:
     p = body.parameters
-    target = _model(gw, principal, body.model)
+    target = allowed_model(gw, principal, body.model)
     if target.pool.relays:  # upstream nodes: passed through, or translated to completions for them
         path = "/generate_stream" if stream else "/generate"
-        ask = _relay_ask(request, gw, principal, "tgi", path, tgi_completion(body), stream, p.max_new_tokens,
-                         principal.priority_for(0, False))
+        ask = _relay_ask(request, gw, "tgi", path, tgi_completion(body), stream, p.max_new_tokens,
+                         caller_of(request, gw, principal))
         relayed = await admit_relay(request, gw, principal, target, await ask, session_of(request, None))
         return await relayed_response(request, relayed, path, TgiView(relayed, body), stream=stream,
                                       estimate=estimate_tgi)

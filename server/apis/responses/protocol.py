@@ -8,10 +8,11 @@ Input items: messages (a string or `input_text` / `output_text` parts),
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+
+from server.protocol import LenientRequest, finite, joined_text, type_tag
 
 
 class _Item(BaseModel):
@@ -30,9 +31,7 @@ class MessageItem(_Item):
     id: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        return joined_text(self.content)
 
 
 class FunctionCallItem(_Item):
@@ -50,14 +49,7 @@ class FunctionCallOutputItem(_Item):
     id: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(p.text for p in self.output)
-
-
-def _item_type(v: Any) -> str:
-    t = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", "message")
-    return t if isinstance(t, str) else "message"
+        return joined_text(self.output)
 
 
 InputItem = Annotated[
@@ -65,7 +57,7 @@ InputItem = Annotated[
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
     Discriminator(
-        _item_type,
+        type_tag("message"),
         custom_error_type="input_item_type",
         custom_error_message="input items are messages, function_call or function_call_output items",
     ),
@@ -103,9 +95,7 @@ class TextConfig(_Item):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-
+class ResponsesRequest(LenientRequest):
     model: str
     input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
@@ -126,15 +116,7 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None
     priority: int = 0
 
-    @field_validator("temperature", "top_p")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
-
-    def unknown_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
+    _finite_fields = field_validator("temperature", "top_p")(finite)
 
 
 class InputItemsQuery(BaseModel):

@@ -11,7 +11,6 @@ only its own responses (another key's id is a 404).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -24,14 +23,20 @@ from server.apis.responses.protocol import InputItemsQuery, ResponsesRequest
 from server.apis.responses.render import ResponsesView, _hex
 from server.chat_bridge import BridgedAsk, as_chat
 from server.deps import AuthDep, GatewayDep
-from server.generation import RelayGeneration, admit, forwarded, json_response, session_of, stream_response
+from server.generation import (
+    RelayGeneration,
+    admit,
+    caller_of,
+    ignore_unknown,
+    json_response,
+    session_of,
+    stream_response,
+)
 from server.relay_apis import relayed_response
 from server.routes.docs import ERRORS, JSON_OR_SSE
 from server.store import ResponseStore, StoredResponse
 from server.tools import ToolPlan
-from server.validation import deadline_after, new_id
-
-logger = logging.getLogger(__name__)
+from server.validation import new_id
 
 
 @asynccontextmanager
@@ -141,8 +146,7 @@ def _chat_fields(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict
 async def create_response(
     body: ResponsesRequest, request: Request, gw: GatewayDep, principal: AuthDep, store: StoreDep
 ) -> Response:
-    if body.model_extra:
-        logger.debug("ignoring unknown fields: %s", ", ".join(body.unknown_fields()))
+    ignore_unknown(body)
     owner = principal.name or ""
     before: list[dict[str, Any]] = []
     model = gw.resolve(body.model)
@@ -165,14 +169,10 @@ async def create_response(
     # here, as a local one). A chain stored here (`chained`) is always translated: nodes cannot continue it.
     ask = BridgedAsk(
         chat, await request.body(), params=_PARAMS, gw=gw, api="responses", path="/v1/responses",
-        via="/v1/chat/completions", translate=lambda: fields, native=not chained, request_id=rid,
-        stream=body.stream, want_usage=False,
-        priority=principal.priority_for(body.priority, "priority" in body.model_fields_set),
-        deadline=deadline_after(gw.settings.request_timeout), api_key_name=principal.name,
-        max_tokens=body.max_output_tokens, forward=forwarded(request),
+        via="/v1/chat/completions", translate=lambda: fields, native=not chained,
+        caller=caller_of(request, gw, principal, body), request_id=rid, stream=body.stream, want_usage=False,
+        max_tokens=body.max_output_tokens,
     )
-    if not relays:
-        ask.local(model.pool, model.id)  # a bad request is a 400 before admission
     gen = await admit(request, gw, principal, model, ask, session_of(request, body.user))
     if isinstance(gen, RelayGeneration):
         view = ResponsesView(gen, ToolPlan(), body, store, owner, items, before, rid)
