@@ -74,19 +74,21 @@ def front(vllm_serve: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def test_vllm_serve_behind_a_front_by_discovery_and_by_name(front: GatewayProcess, vllm_serve: str) -> None:
     listed = {m["id"]: m for m in httpx.get(front.url + "/v1/models").json()["data"]}
     assert sorted(listed) == sorted([EMBEDDED, "remote"]) and listed[EMBEDDED]["max_model_len"] == 1024
-    via = openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    direct = openai.OpenAI(base_url=vllm_serve + "/v1", api_key="x", max_retries=0, timeout=120)
-    want = direct.chat.completions.create(model=EMBEDDED, messages=PARIS, temperature=0, max_tokens=16)  # type: ignore[arg-type]
-    assert want.choices[0].message.content
-    for name in (EMBEDDED, "remote"):
-        got = via.chat.completions.create(model=name, messages=PARIS, temperature=0, max_tokens=16)  # type: ignore[arg-type]
-        assert got.model == name and got.choices[0].message.content == want.choices[0].message.content
-        parts = []
-        for chunk in via.chat.completions.create(model=name, messages=PARIS, temperature=0, max_tokens=16,  # type: ignore[arg-type]
-                                                 stream=True):
-            assert chunk.model == name
-            parts.extend(c.delta.content or "" for c in chunk.choices)
-        assert "".join(parts) == want.choices[0].message.content
+    with (
+        openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0, timeout=120) as via,
+        openai.OpenAI(base_url=vllm_serve + "/v1", api_key="x", max_retries=0, timeout=120) as direct,
+    ):
+        want = direct.chat.completions.create(model=EMBEDDED, messages=PARIS, temperature=0, max_tokens=16)  # type: ignore[arg-type]
+        assert want.choices[0].message.content
+        for name in (EMBEDDED, "remote"):
+            got = via.chat.completions.create(model=name, messages=PARIS, temperature=0, max_tokens=16)  # type: ignore[arg-type]
+            assert got.model == name and got.choices[0].message.content == want.choices[0].message.content
+            parts = []
+            for chunk in via.chat.completions.create(model=name, messages=PARIS, temperature=0, max_tokens=16,  # type: ignore[arg-type]
+                                                     stream=True):
+                assert chunk.model == name
+                parts.extend(c.delta.content or "" for c in chunk.choices)
+            assert "".join(parts) == want.choices[0].message.content
     routes = {u["upstream"]: u["urls"][0] for u in httpx.get(front.url + "/admin/routes", headers=ADMIN).json()
               ["upstreams"]}
     assert routes["remote"]["model"] == EMBEDDED and routes["remote"]["embedding_model"] is None
