@@ -21,7 +21,7 @@ def engine_trace(headers: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str],
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who asks, and until when, alike for every API (server/generation.py
+    """Who asks, and until when, alike for every API (server/caller.py
     `caller_of`): the request's priority, the deadline of the whole request,
     the key's name, and the headers it forwards (a trace context)."""
 

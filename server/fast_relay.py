@@ -32,9 +32,10 @@ from starlette.types import Message, Receive, Scope, Send
 from engine_adapter.errors import EngineError, GatewayError
 from server.ask import Caller, RouteAsk
 from server.auth import authenticate
+from server.caller import forwarded
 from server.disconnect import Watch
 from server.errors import shape_for
-from server.generation import admit_relay, forwarded, note_outcome, session_of
+from server.generation import admit_relay, note_outcome, session_of
 from server.relay import RelayAnswer
 from server.state import Gateway, ServedModel
 from server.validation import deadline_after, new_id

@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -40,62 +40,20 @@ from engine_adapter.errors import EngineError, GatewayError, InvalidRequest
 from engine_adapter.lease import Lease, LocalLease, Prepared, RelayLease
 from engine_adapter.types import EngineOutput, GenerationRequest, RelayCall, RelayUsage
 from server import sse
-from server.ask import Caller, RouteAsk, engine_trace
+from server.ask import RouteAsk, engine_trace
 from server.auth import Principal
+from server.caller import forwarded
 from server.disconnect import until_disconnect, watched
 from server.errors import error_event, error_response
 from server.limits import Admission
-from server.protocol import LenientRequest
 from server.queueing import ttft_deadline, with_deadline
 from server.render import Choice, Key, usage
 from server.state import Gateway, ServedModel
-from server.validation import deadline_after
 
 logger = logging.getLogger(__name__)
 
 SERVED_BY = "x-npugw-served-by"
 L = TypeVar("L", LocalLease, RelayLease)
-
-
-def allowed_model(gw: Gateway, principal: Principal, name: str | None, kind: str = "generate") -> ServedModel:
-    """The served model `name` resolves to, once the key may use it."""
-    model = gw.resolve(name, kind)
-    principal.check_model(model.id)
-    return model
-
-
-def ignore_unknown(body: LenientRequest) -> None:
-    """Say (at debug level) which fields of a body are accepted and ignored."""
-    if body.model_extra:
-        logger.debug("ignoring unknown fields: %s", ", ".join(body.unknown_fields()))
-
-
-class _Prioritized(Protocol):
-    @property
-    def priority(self) -> int: ...
-
-    @property
-    def model_fields_set(self) -> set[str]: ...
-
-
-def caller_of(request: Request, gw: Gateway, principal: Principal, body: _Prioritized | None = None) -> Caller:
-    """Who asks: `body`'s priority if it sent one, else its key's default;
-    the deadline of the whole request, from now; the key's name; the headers
-    the request forwards."""
-    if body is None:
-        priority = principal.priority_for(0, False)
-    else:
-        priority = principal.priority_for(body.priority, "priority" in body.model_fields_set)
-    return Caller(priority, deadline_after(gw.settings.request_timeout), principal.name, forwarded(request))
-
-
-def forwarded(request: Request) -> tuple[tuple[str, str], ...]:
-    """Headers an upstream node gets too: the gateway's request id, and the
-    trace context (`traceparent`, set by the middleware)."""
-    state = request.scope.get("state", {})
-    rid = state.get("request_id")
-    trace: tuple[tuple[str, str], ...] = state.get("trace_headers", ())
-    return ((("X-Request-Id", rid),) if rid else ()) + trace
 
 
 def session_of(request: Request, user: str | None) -> str | None:

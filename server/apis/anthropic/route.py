@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from engine_adapter.errors import EngineError, GatewayError
 from server.apis.anthropic.protocol import CountTokensRequest, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
+from server.caller import allowed_model, caller_of, ignore_unknown
 from server.chat_bridge import BridgedAsk, as_chat
 from server.deps import AuthDep, GatewayDep
 from server.errors import anthropic_error_event
@@ -28,9 +29,6 @@ from server.generation import (
     RelayGeneration,
     admit,
     admit_relay,
-    allowed_model,
-    caller_of,
-    ignore_unknown,
     json_response,
     session_of,
     stream_response,

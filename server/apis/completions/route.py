@@ -11,18 +11,9 @@ from starlette.responses import Response
 from engine_adapter.types import EngineOutput, GenerationRequest
 from server import sse
 from server.ask import RouteAsk
+from server.caller import allowed_model, caller_of, ignore_unknown
 from server.deps import AuthDep, GatewayDep
-from server.generation import (
-    Generation,
-    RelayGeneration,
-    admit,
-    allowed_model,
-    caller_of,
-    ignore_unknown,
-    json_response,
-    session_of,
-    stream_response,
-)
+from server.generation import Generation, RelayGeneration, admit, json_response, session_of, stream_response
 from server.protocol import CompletionRequest
 from server.relay import relay_response
 from server.render import Choice, CompletionLogprobs, Key, finish
