@@ -12,10 +12,10 @@ import hmac
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from fastapi import Request
+from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
 from engine_adapter.errors import AuthenticationError, PermissionDenied
@@ -248,6 +248,9 @@ async def authenticate(request: Request) -> Principal:
     if budgets is not None:
         budgets.check_expiry(entry)
     return Principal(name=entry.name, entry=entry)
+
+
+AuthDep = Annotated[Principal, Depends(authenticate)]
 
 
 async def require_admin(request: Request) -> Principal:

@@ -1,11 +1,14 @@
 """What the routes share: the served models and their pools, settings,
-metrics. Lives in the app's lifespan state, never in module globals."""
+metrics. Lives in the app's lifespan state, never in module globals; a
+route takes it as `GatewayDep`."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import Depends, Request
 
 from engine_adapter.errors import InvalidRequest, ModelNotFound
 from engine_adapter.pool import WorkerPool
@@ -141,3 +144,12 @@ class Gateway:
                 f"The model `{name}` is {what} model and does not support this endpoint.", param="model"
             )
         return model
+
+
+async def get_gateway(request: Request) -> Gateway:
+    # async: a plain def would cost a worker-thread hop on every request
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+GatewayDep = Annotated[Gateway, Depends(get_gateway)]

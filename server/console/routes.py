@@ -22,7 +22,7 @@ from server.console.history import History, Recent
 from server.console.ledger import ledger_usage
 from server.console.overview import overview
 from server.console.sessions import COOKIE, Sessions
-from server.deps import GatewayDep
+from server.state import GatewayDep
 
 PAGES = Path(__file__).resolve().parent / "pages"
 STATIC = Path(__file__).resolve().parent / "static"

@@ -10,8 +10,8 @@ from starlette.responses import Response
 
 from engine_adapter.errors import AuthenticationError, InvalidRequest
 from server.auth import KeyStore, Principal, key_from_headers, require_admin
-from server.deps import GatewayDep
 from server.routes.docs import ERRORS, TEXT
+from server.state import GatewayDep
 
 router = APIRouter()
 AdminDep = Annotated[Principal, Depends(require_admin)]

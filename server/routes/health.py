@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from engine_adapter.backends.remote import is_remote
-from server.deps import GatewayDep
+from server.state import GatewayDep
 
 router = APIRouter(tags=["ops"])
 

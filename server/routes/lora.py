@@ -25,9 +25,8 @@ from engine_adapter.lora_manager import STORE_NAME, LoraManager
 from engine_adapter.pool import WorkerPool
 from engine_adapter.tasks import cancel_and_wait
 from server.auth import Principal, require_admin
-from server.deps import GatewayDep
 from server.routes.docs import ERRORS
-from server.state import Gateway
+from server.state import Gateway, GatewayDep
 
 logger = logging.getLogger(__name__)
 

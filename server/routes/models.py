@@ -9,10 +9,10 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from engine_adapter.routing import Router
-from server.deps import AuthDep, GatewayDep
+from server.auth import AuthDep
 from server.protocol import ModelCardOut, ModelList
 from server.routes.docs import ERRORS
-from server.state import ServedModel
+from server.state import GatewayDep, ServedModel
 
 router = APIRouter(tags=["openai"])
 

@@ -7,10 +7,10 @@ import orjson
 from fastapi import APIRouter, Query
 from starlette.responses import Response
 
-from server.deps import GatewayDep
 from server.queueing import describe
 from server.routes.admin import AdminDep
 from server.routes.docs import ERRORS
+from server.state import GatewayDep
 
 router = APIRouter(tags=["ops"])
 

@@ -31,10 +31,9 @@ from engine_adapter.routing.policies import PolicyCollector, policies_of
 from engine_adapter.routing.spec import check_targets
 from engine_adapter.routing.upstream import upstreams_of
 from server.auth import Principal, require_admin
-from server.deps import GatewayDep
 from server.routes.docs import ERRORS
 from server.settings import Settings
-from server.state import Gateway
+from server.state import Gateway, GatewayDep
 
 logger = logging.getLogger(__name__)
 

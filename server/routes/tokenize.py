@@ -7,10 +7,11 @@ from typing import Any
 from fastapi import APIRouter
 
 from engine_adapter.errors import InvalidRequest
+from server.auth import AuthDep
 from server.caller import allowed_model
-from server.deps import AuthDep, GatewayDep
 from server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.routes.docs import ERRORS
+from server.state import GatewayDep
 from server.tools import plan_tools
 from server.validation import chat_prompt
 

@@ -20,9 +20,9 @@ from starlette.responses import Response
 
 from engine_adapter.errors import EngineError, GatewayError
 from server.apis.anthropic.protocol import CountTokensRequest, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
+from server.auth import AuthDep
 from server.caller import allowed_model, caller_of, ignore_unknown
 from server.chat_bridge import BridgedAsk, as_chat
-from server.deps import AuthDep, GatewayDep
 from server.errors import anthropic_error_event
 from server.generation import (
     AnyGeneration,
@@ -36,6 +36,7 @@ from server.generation import (
 from server.relay_apis import ApiAsk, relayed_response
 from server.render import ChatDeltaView, Choice, Key
 from server.routes.docs import JSON_OR_SSE
+from server.state import GatewayDep
 from server.tools import ToolPlan, ToolStreamer, plan_tools
 from server.validation import chat_prompt, new_id
 

@@ -11,16 +11,15 @@ from starlette.responses import Response
 from engine_adapter.types import EngineOutput, GenerationRequest
 from server import sse
 from server.ask import RouteAsk
-from server.auth import Principal
+from server.auth import AuthDep, Principal
 from server.caller import allowed_model, caller_of, ignore_unknown
 from server.chat_bridge import chat_requests
-from server.deps import AuthDep, GatewayDep
 from server.generation import Generation, RelayGeneration, admit, json_response, session_of, stream_response
 from server.protocol import ChatCompletionRequest
 from server.relay import relay_response
 from server.render import Choice, Key, chat_logprobs, finish
 from server.routes.docs import JSON_OR_SSE
-from server.state import Gateway
+from server.state import Gateway, GatewayDep
 from server.tools import ToolPlan
 from server.validation import new_id
 

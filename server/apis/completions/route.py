@@ -11,14 +11,14 @@ from starlette.responses import Response
 from engine_adapter.types import EngineOutput, GenerationRequest
 from server import sse
 from server.ask import RouteAsk
+from server.auth import AuthDep
 from server.caller import allowed_model, caller_of, ignore_unknown
-from server.deps import AuthDep, GatewayDep
 from server.generation import Generation, RelayGeneration, admit, json_response, session_of, stream_response
 from server.protocol import CompletionRequest
 from server.relay import relay_response
 from server.render import Choice, CompletionLogprobs, Key, finish
 from server.routes.docs import JSON_OR_SSE
-from server.state import Gateway, ServedModel
+from server.state import Gateway, GatewayDep, ServedModel
 from server.validation import build_completion_request, completion_prompts, new_id
 
 router = APIRouter(tags=["openai"])

@@ -14,13 +14,14 @@ from engine_adapter.errors import ContextLengthExceeded, InvalidRequest
 from engine_adapter.types import EmbeddingRequest as EngineEmbeddingRequest
 from engine_adapter.types import Tokenizer
 from server.ask import RouteAsk
+from server.auth import AuthDep
 from server.caller import allowed_model, caller_of, ignore_unknown
-from server.deps import AuthDep, GatewayDep
 from server.disconnect import until_disconnect
 from server.generation import SERVED_BY, admit_relay, session_of
 from server.protocol import EmbeddingRequest
 from server.relay import relay_response
 from server.routes.docs import ERRORS
+from server.state import GatewayDep
 from server.validation import new_id, prompt_inputs
 
 router = APIRouter(tags=["openai"])

@@ -27,14 +27,13 @@ from engine_adapter.types import EngineOutput, GenerationRequest, SamplingOption
 from server.apis.generate.protocol import GenerateRequest, TgiGenerateRequest, VllmGenerateRequest
 from server.apis.generate.relay import TgiView, VllmView, estimate_tgi, estimate_vllm, tgi_completion, vllm_completion
 from server.ask import Caller
-from server.auth import Principal
+from server.auth import AuthDep, Principal
 from server.caller import allowed_model, caller_of
-from server.deps import AuthDep, GatewayDep
 from server.errors import tgi_error_event
 from server.generation import admit_local, admit_relay, json_response, prepared, session_of, stream_response
 from server.relay_apis import ApiAsk, relayed_response
 from server.render import Choice, Key
-from server.state import Gateway, ServedModel
+from server.state import Gateway, GatewayDep, ServedModel
 from server.validation import budget, deadline_after, new_id, sampling_options
 
 router = APIRouter(tags=["generate"])

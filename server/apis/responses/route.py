@@ -21,12 +21,13 @@ from starlette.responses import Response
 from engine_adapter.errors import NotFound
 from server.apis.responses.protocol import InputItemsQuery, ResponsesRequest
 from server.apis.responses.render import ResponsesView, _hex
+from server.auth import AuthDep
 from server.caller import caller_of, ignore_unknown
 from server.chat_bridge import BridgedAsk, as_chat
-from server.deps import AuthDep, GatewayDep
 from server.generation import RelayGeneration, admit, json_response, session_of, stream_response
 from server.relay_apis import relayed_response
 from server.routes.docs import ERRORS, JSON_OR_SSE
+from server.state import GatewayDep
 from server.store import ResponseStore, StoredResponse
 from server.tools import ToolPlan
 from server.validation import new_id
