@@ -30,9 +30,8 @@ from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
 from engine_adapter.errors import EngineError, GatewayError
-from server.ask import Caller, RouteAsk
+from server.ask import Caller, RouteAsk, forwarded
 from server.auth import authenticate
-from server.caller import forwarded
 from server.disconnect import Watch
 from server.errors import shape_for
 from server.generation import admit_relay, note_outcome, session_of

@@ -40,13 +40,11 @@ from engine_adapter.errors import EngineError, GatewayError, InvalidRequest
 from engine_adapter.lease import Lease, LocalLease, Prepared, RelayLease
 from engine_adapter.types import EngineOutput, GenerationRequest, RelayCall, RelayUsage
 from server import sse
-from server.ask import RouteAsk, engine_trace
+from server.ask import RouteAsk, engine_trace, forwarded, ttft_deadline, with_deadline
 from server.auth import Principal
-from server.caller import forwarded
 from server.disconnect import until_disconnect, watched
 from server.errors import error_event, error_response
 from server.limits import Admission
-from server.queueing import ttft_deadline, with_deadline
 from server.render import Choice, Key, usage
 from server.state import Gateway, ServedModel
 

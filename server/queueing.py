@@ -1,80 +1,28 @@
-"""Fair share and deadline-aware admission, the HTTP side: the
-`x-ttft-deadline-ms` header (or the key's default) onto a request, the
-queue policy and the keys' weights onto the pools (at start and on a SIGHUP
-reload), and the queue's metrics. The queue itself is
+"""Fair share and deadline-aware admission, the HTTP side: the queue policy
+and the keys' weights onto the pools (at start and on a SIGHUP reload), and
+the queue's metrics (a request's TTFT deadline: server/ask.py
+`ttft_deadline`). The queue itself is
 engine_adapter/scheduler.py; the admission that uses it,
 engine_adapter/admission.py."""
 
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from starlette.requests import Request
 
-from engine_adapter.errors import InvalidRequest
-from engine_adapter.lease import Ask
 from engine_adapter.pool import WorkerPool
 from engine_adapter.queue_stats import Histogram
-from engine_adapter.types import GenerationRequest, RelayCall
-from server.auth import KeyEntry, Principal
+from server.auth import KeyEntry
 from server.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-TTFT_HEADER = "x-ttft-deadline-ms"
 RESERVE_REASONS = ("new_flow", "priority")  # why a request took a reserve slot (engine_adapter/admission.py)
 REFUSALS = ("queue_full", "queue_timeout", "deadline_unmeetable", "deadline_expired", "no_worker", "shutting_down")
-
-
-def ttft_deadline(request: Request, principal: Principal) -> float | None:
-    """When the request's first token is due (a `time.monotonic()` value):
-    its `x-ttft-deadline-ms` header, else its key's `ttft_deadline_ms`, else
-    None. A header that is not a positive number of milliseconds is a 400."""
-    raw = request.headers.get(TTFT_HEADER)
-    if raw is None:
-        ms = principal.entry.ttft_deadline_ms if principal.entry is not None else None
-    else:
-        try:
-            ms = float(raw.strip())
-        except ValueError:
-            ms = math.nan
-        if not math.isfinite(ms) or ms <= 0:
-            raise InvalidRequest(
-                f"header `{TTFT_HEADER}` must be a positive number of milliseconds, not {raw[:40]!r}",
-                param=TTFT_HEADER, code="invalid_value",
-            )
-    return None if ms is None else time.monotonic() + ms / 1000.0
-
-
-class DeadlineAsk:
-    """An Ask whose requests carry a time-to-first-token deadline."""
-
-    def __init__(self, inner: Ask, deadline: float) -> None:
-        self.inner = inner
-        self.deadline = deadline
-
-    def local(self, pool: Any, model: str) -> list[GenerationRequest]:
-        return [replace(r, ttft_deadline=self.deadline) for r in self.inner.local(pool, model)]
-
-    def relay(self, model: str) -> RelayCall:
-        return replace(self.inner.relay(model), ttft_deadline=self.deadline)
-
-    def budget(self) -> int:
-        return int(self.inner.budget())  # type: ignore[attr-defined]
-
-
-def with_deadline(ask: Any, deadline: float | None) -> Any:
-    """`ask` with its TTFT deadline."""
-    if deadline is None:
-        return ask
-    return DeadlineAsk(ask, deadline)
 
 
 def configure_queues(pools: Sequence[WorkerPool], policy: str, entries: Sequence[KeyEntry]) -> None:

@@ -26,7 +26,7 @@ gen_ai.response.finish_reasons) and vLLM's latency names
 (gen_ai.latency.*). The key's name is `npugw.key_name`; the key never is.
 
 Upstream nodes get the request span's `traceparent` (their spans are its
-children); see `server.caller.forwarded`.
+children); see `server.ask.forwarded`.
 """
 
 from __future__ import annotations

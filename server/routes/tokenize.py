@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import APIRouter
 
 from engine_adapter.errors import InvalidRequest
+from server.ask import allowed_model
 from server.auth import AuthDep
-from server.caller import allowed_model
 from server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.routes.docs import ERRORS
 from server.state import GatewayDep

@@ -20,8 +20,8 @@ from starlette.responses import Response
 
 from engine_adapter.errors import EngineError, GatewayError
 from server.apis.anthropic.protocol import CountTokensRequest, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
+from server.ask import allowed_model, caller_of, ignore_unknown
 from server.auth import AuthDep
-from server.caller import allowed_model, caller_of, ignore_unknown
 from server.chat_bridge import BridgedAsk, as_chat
 from server.errors import anthropic_error_event
 from server.generation import (

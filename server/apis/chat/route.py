@@ -10,9 +10,8 @@ from starlette.responses import Response
 
 from engine_adapter.types import EngineOutput, GenerationRequest
 from server import sse
-from server.ask import RouteAsk
+from server.ask import RouteAsk, allowed_model, caller_of, ignore_unknown
 from server.auth import AuthDep, Principal
-from server.caller import allowed_model, caller_of, ignore_unknown
 from server.chat_bridge import chat_requests
 from server.generation import Generation, RelayGeneration, admit, json_response, session_of, stream_response
 from server.protocol import ChatCompletionRequest

@@ -13,9 +13,8 @@ from starlette.responses import Response
 from engine_adapter.errors import ContextLengthExceeded, InvalidRequest
 from engine_adapter.types import EmbeddingRequest as EngineEmbeddingRequest
 from engine_adapter.types import Tokenizer
-from server.ask import RouteAsk
+from server.ask import RouteAsk, allowed_model, caller_of, ignore_unknown
 from server.auth import AuthDep
-from server.caller import allowed_model, caller_of, ignore_unknown
 from server.disconnect import until_disconnect
 from server.generation import SERVED_BY, admit_relay, session_of
 from server.protocol import EmbeddingRequest

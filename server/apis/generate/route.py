@@ -26,9 +26,8 @@ from engine_adapter.errors import InvalidRequest
 from engine_adapter.types import EngineOutput, GenerationRequest, SamplingOptions, StructuredOutput, TokenLogprob
 from server.apis.generate.protocol import GenerateRequest, TgiGenerateRequest, VllmGenerateRequest
 from server.apis.generate.relay import TgiView, VllmView, estimate_tgi, estimate_vllm, tgi_completion, vllm_completion
-from server.ask import Caller
+from server.ask import Caller, allowed_model, caller_of
 from server.auth import AuthDep, Principal
-from server.caller import allowed_model, caller_of
 from server.errors import tgi_error_event
 from server.generation import admit_local, admit_relay, json_response, prepared, session_of, stream_response
 from server.relay_apis import ApiAsk, relayed_response
