@@ -39,13 +39,12 @@ from starlette.types import Receive, Scope, Send
 from engine_adapter.errors import EngineError, GatewayError, InvalidRequest
 from engine_adapter.lease import Lease, LocalLease, Prepared, RelayLease
 from engine_adapter.types import EngineOutput, GenerationRequest, RelayCall, RelayUsage
-from server import sse
 from server.ask import RouteAsk, engine_trace, forwarded, ttft_deadline, with_deadline
 from server.auth import Principal
 from server.disconnect import until_disconnect, watched
 from server.errors import error_event, error_response
 from server.limits import Admission
-from server.render import Choice, Key, usage
+from server.render import DONE, KEEP_ALIVE, SSE_HEADERS, Choice, Key, usage
 from server.state import Gateway, ServedModel
 
 logger = logging.getLogger(__name__)
@@ -320,7 +319,7 @@ def _release(lease: Lease) -> None:
 
 def openai_stream_error(err: GatewayError) -> bytes:
     """How an OpenAI stream ends on an error: an error event, then `[DONE]`."""
-    return error_event(err) + sse.DONE
+    return error_event(err) + DONE
 
 
 def stream_response(
@@ -331,7 +330,7 @@ def stream_response(
     *,
     head: Callable[[], bytes] | None = None,
     on_error: Callable[[GatewayError], bytes] = openai_stream_error,
-    ping: bytes = sse.KEEP_ALIVE,
+    ping: bytes = KEEP_ALIVE,
     refuse: Callable[[GatewayError], Response] = error_response,
 ) -> Response:
     """The SSE skeleton: `head()` first if given, rendered batches (one write
@@ -365,7 +364,7 @@ def stream_response(
         finally:
             gen.finish()
 
-    return SSEResponse(body(), gen, keep_alive, refuse, media_type="text/event-stream", headers=dict(sse.SSE_HEADERS))
+    return SSEResponse(body(), gen, keep_alive, refuse, media_type="text/event-stream", headers=dict(SSE_HEADERS))
 
 
 async def json_response(

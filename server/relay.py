@@ -35,15 +35,15 @@ from starlette.types import Receive, Scope, Send
 from engine_adapter.errors import EngineError, GatewayError
 from engine_adapter.lease import Relayed
 from engine_adapter.types import RelayCall, RelayUsage
-from server import sse
 from server.disconnect import until_disconnect, watched
 from server.generation import RelayGeneration, note_outcome, openai_stream_error
+from server.render import SSE_HEADERS
 
 logger = logging.getLogger(__name__)
 
 _JSON = (b"content-type", b"application/json")
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8")] + [
-    (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in sse.SSE_HEADERS.items()
+    (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in SSE_HEADERS.items()
 ]
 Estimate = Callable[[RelayCall, bytes], tuple[int, int]]
 

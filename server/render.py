@@ -1,5 +1,6 @@
 """Engine deltas -> OpenAI response and chunk dicts; `ChatDeltaView`, the
-base of the APIs that render chat deltas in their own event stream."""
+base of the APIs that render chat deltas in their own event stream; and the
+server-sent events framing of every stream (`event`, `Frames`, `DONE`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,40 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from engine_adapter.types import EngineOutput, TokenLogprob
 
 if TYPE_CHECKING:
     from server.tools import ToolStreamer
+
+DONE = b"data: [DONE]\n\n"
+KEEP_ALIVE = b": keep-alive\n\n"
+SSE_HEADERS = {
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx: do not buffer this response
+}
+
+
+def event(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class Frames:
+    """Chunk events with a fixed head (id, object, created, model) encoded
+    once: `choice(c)` is `event({**head, "choices": [c]})`, byte for byte."""
+
+    __slots__ = ("_prefix",)
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self._prefix = b""
+        self.set_head(head)
+
+    def set_head(self, head: dict[str, Any]) -> None:
+        self._prefix = b"data: " + orjson.dumps(head)[:-1] + b',"choices":['
+
+    def choice(self, c: dict[str, Any]) -> bytes:
+        return self._prefix + orjson.dumps(c) + b"]}\n\n"
 
 
 def _bytes(s: str) -> list[int]:

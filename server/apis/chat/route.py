@@ -9,14 +9,13 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from engine_adapter.types import EngineOutput, GenerationRequest
-from server import sse
 from server.ask import RouteAsk, allowed_model, caller_of, ignore_unknown
 from server.auth import AuthDep, Principal
 from server.chat_bridge import chat_requests
 from server.generation import Generation, RelayGeneration, admit, json_response, session_of, stream_response
 from server.protocol import ChatCompletionRequest
 from server.relay import relay_response
-from server.render import Choice, Key, chat_logprobs, finish
+from server.render import DONE, Choice, Frames, Key, chat_logprobs, event, finish
 from server.routes.docs import JSON_OR_SSE
 from server.state import Gateway, GatewayDep
 from server.tools import ToolPlan
@@ -108,7 +107,7 @@ class _Chunks:
             "id": gen.requests[0].request_id, "object": "chat.completion.chunk", "created": gen.created,
             "model": gen.served_by,
         }
-        self.frames = sse.Frames(self.head)
+        self.frames = Frames(self.head)
         n = gen.requests[0].sampling.n
         self.started = [False] * n
         self.streamers = [plan.streamer() if plan.active else None for _ in range(n)]
@@ -153,5 +152,5 @@ class _Chunks:
 
     def tail(self) -> bytes:
         if not self.include_usage:
-            return sse.DONE
-        return sse.event({**self.head, "choices": [], "usage": self.gen.usage()}) + sse.DONE
+            return DONE
+        return event({**self.head, "choices": [], "usage": self.gen.usage()}) + DONE

@@ -9,13 +9,12 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from engine_adapter.types import EngineOutput, GenerationRequest
-from server import sse
 from server.ask import RouteAsk, allowed_model, caller_of, ignore_unknown
 from server.auth import AuthDep
 from server.generation import Generation, RelayGeneration, admit, json_response, session_of, stream_response
 from server.protocol import CompletionRequest
 from server.relay import relay_response
-from server.render import Choice, CompletionLogprobs, Key, finish
+from server.render import DONE, Choice, CompletionLogprobs, Frames, Key, event, finish
 from server.routes.docs import JSON_OR_SSE
 from server.state import Gateway, GatewayDep, ServedModel
 from server.validation import build_completion_request, completion_prompts, new_id
@@ -83,7 +82,7 @@ class _Completions:
         self.body = body
         self.n = body.n
         self.head = {"id": rid, "object": "text_completion", "created": gen.created, "model": gen.served_by}
-        self.frames = sse.Frames(self.head)
+        self.frames = Frames(self.head)
         self.lps: dict[Key, CompletionLogprobs] = {}
         self.echoed: dict[Key, str] = {}
 
@@ -158,5 +157,5 @@ class _Completions:
 
     def tail(self) -> bytes:
         if not (self.body.stream_options and self.body.stream_options.include_usage):
-            return sse.DONE
-        return sse.event({**self.head, "choices": [], "usage": self.gen.usage()}) + sse.DONE
+            return DONE
+        return event({**self.head, "choices": [], "usage": self.gen.usage()}) + DONE
