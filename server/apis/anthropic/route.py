@@ -20,9 +20,9 @@ from starlette.responses import Response
 
 from engine_adapter.errors import EngineError, GatewayError
 from server.apis.anthropic.protocol import CountTokensRequest, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
+from server.apis.chat.route import BridgedAsk, as_chat
 from server.ask import allowed_model, caller_of, ignore_unknown
 from server.auth import AuthDep
-from server.chat_bridge import BridgedAsk, as_chat
 from server.errors import anthropic_error_event
 from server.generation import (
     AnyGeneration,

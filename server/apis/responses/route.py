@@ -19,11 +19,11 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from starlette.responses import Response
 
 from engine_adapter.errors import NotFound
+from server.apis.chat.route import BridgedAsk, as_chat
 from server.apis.responses.protocol import InputItemsQuery, ResponsesRequest
 from server.apis.responses.render import ResponsesView, _hex
 from server.ask import caller_of, ignore_unknown
 from server.auth import AuthDep
-from server.chat_bridge import BridgedAsk, as_chat
 from server.generation import RelayGeneration, admit, json_response, session_of, stream_response
 from server.relay_apis import relayed_response
 from server.routes.docs import ERRORS, JSON_OR_SSE
