@@ -4,33 +4,23 @@ from another origin) that reads the gateway's JSON and refreshes itself.
 
 `setup_console(app)` wires it into `create_app`: the routes, the static
 files, and the in-memory state (sessions, recent requests, one hour of
-latency history) on `app.state.console`. `Console.record` is the
-per-request record sink that feeds it.
+latency history) on `app.state.console`. `Console.record` (history.py
+`Memory.record`) is the per-request record sink that feeds it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from fastapi import FastAPI
 from starlette.staticfiles import StaticFiles
 
-from server.console.history import History, Recent, wanted
+from server.console.history import Memory
 from server.console.sessions import Sessions
 
 
-class Console:
+class Console(Memory):
     def __init__(self) -> None:
+        super().__init__()
         self.sessions = Sessions()
-        self.recent = Recent()
-        self.history = History()
-
-    def record(self, rec: Mapping[str, Any]) -> None:
-        """One finished request's access-log record (never a body)."""
-        if wanted(rec):
-            self.recent.add(rec)
-            self.history.add(rec)
 
 
 def setup_console(app: FastAPI) -> Console:

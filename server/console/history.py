@@ -2,11 +2,12 @@
 the last requests (no prompt or output ever reaches here: the records are
 the access log's) and one hour of latency and throughput in 10 s buckets.
 
-Both are fed from the per-request record (server/access_log.py `record`)
-and bounded: `Recent` keeps `size` records; `History` keeps one bucket per
-`bucket_s` for `span_s` seconds, at most `max_samples` latency samples per
-bucket while the bucket is open (a uniform reservoir), and only percentiles
-once it is closed.
+Both are fed from the per-request record (`Memory.record`, one of the
+middleware's record sinks: server/middleware.py) and bounded: `Recent`
+keeps `size` records; `History` keeps one bucket per `bucket_s` for
+`span_s` seconds, at most `max_samples` latency samples per bucket while
+the bucket is open (a uniform reservoir), and only percentiles once it is
+closed.
 """
 
 from __future__ import annotations
@@ -225,3 +226,18 @@ class History:
             "recent": self.latest(now),
             "last_minute_tokens_per_second": self.tokens_per_second(now),
         }
+
+
+class Memory:
+    """The recent requests and the latency history, fed by `record`: the
+    console's per-request record sink."""
+
+    def __init__(self) -> None:
+        self.recent = Recent()
+        self.history = History()
+
+    def record(self, rec: Mapping[str, Any]) -> None:
+        """One finished request's access-log record (never a body)."""
+        if wanted(rec):
+            self.recent.add(rec)
+            self.history.add(rec)
