@@ -22,6 +22,7 @@ import os
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
+from datetime import datetime
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from server.store import Database, _sqlite_pragmas
 from server.usage import schema
 from server.usage.budgets import BudgetBook, counts
 from server.usage.migrate import upgrade
-from server.usage.periods import day_of, month_days, month_of, parse_record_time
+from server.usage.periods import day_of, month_days
 from server.usage.spool import Spool
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,17 @@ def _sqlite_ledger_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.close()
+
+
+def month_of(ts: float) -> int:
+    """YYYYMM of the UTC month (a row's `month`)."""
+    t = time.gmtime(ts)
+    return t.tm_year * 100 + t.tm_mon
+
+
+def parse_record_time(text: str) -> float:
+    """The access log record's `time` (`2026-12-01T10:55:44.123Z`) -> seconds."""
+    return datetime.fromisoformat(text).timestamp()
 
 
 def to_row(rec: dict[str, Any], rid: str) -> dict[str, Any]:

@@ -13,12 +13,6 @@ def day_of(ts: float) -> int:
     return int(ts // DAY)
 
 
-def month_of(ts: float) -> int:
-    """YYYYMM of the UTC month."""
-    t = time.gmtime(ts)
-    return t.tm_year * 100 + t.tm_mon
-
-
 def month_days(ts: float) -> tuple[int, int]:
     """The first day of `ts`'s month and the first day of the next one."""
     t = time.gmtime(ts)
@@ -30,8 +24,3 @@ def month_days(ts: float) -> tuple[int, int]:
 def iso(ts: float) -> str:
     """`2026-12-01T10:00:00Z`."""
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_record_time(text: str) -> float:
-    """The access log record's `time` (`2026-12-01T10:55:44.123Z`) -> seconds."""
-    return datetime.fromisoformat(text).timestamp()
