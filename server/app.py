@@ -18,7 +18,6 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 from engine_adapter.metrics import EngineMetrics
 from engine_adapter.pool import WorkerPool
 from server import discovery
-from server.access_log import AccessLog
 from server.apis.anthropic import route as messages
 from server.apis.chat import route as chat
 from server.apis.completions import route as completions
@@ -32,7 +31,7 @@ from server.fast_relay import FastRelay
 from server.limits import Limits
 from server.metrics import GatewayMetrics, LoopCollector, PoolCollector
 from server.metrics_multiproc import AppRegistry, LiveExport, multiprocess_registry
-from server.middleware import GatewayMiddleware, RecordSink
+from server.middleware import AccessLog, GatewayMiddleware, RecordSink
 from server.queueing import QueueCollector, configure_queues
 from server.routes import (
     admin,

@@ -19,7 +19,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from server.settings_parse import Parsed, collect, keep, parse_engine_args, parse_extra_model
+from server.settings_parse import Parsed, collect, keep, parse_engine_args, parse_extra_model, parse_proxies
 from server.state_url import check_state_url
 
 # `NAME=...` lists: repeatable flags, a YAML list or mapping, or one
@@ -323,8 +323,6 @@ class Settings(BaseSettings):
     @field_validator("trusted_proxies")
     @classmethod
     def _proxies(cls, v: list[str]) -> list[str]:
-        from server.access_log import parse_proxies
-
         keep("proxies", parse_proxies(v))  # a bad address or network fails at start-up
         return v
 

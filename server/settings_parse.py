@@ -11,8 +11,9 @@ bad value fails in its own field's validator with the message it always had.
 
 from __future__ import annotations
 
+import ipaddress
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,7 +24,13 @@ if TYPE_CHECKING:
     from engine_adapter.lora import LoraModule
     from engine_adapter.routing.spec import RouteSpec
     from engine_adapter.routing.upstream import UpstreamConfig
-    from server.access_log import Network
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_proxies(items: Iterable[str]) -> tuple[Network, ...]:
+    """`10.0.0.1`, `10.0.0.0/8`, `::1` -> networks; raises ValueError."""
+    return tuple(ipaddress.ip_network(s.strip(), strict=False) for s in items if s.strip())
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from sim_app import serve
 from support import metric_value, wait_until
 
 from engine_adapter.backends.aggregate import aggregate
-from server.access_log import ACCESS_LOGGER
+from server.middleware import ACCESS_LOGGER
 from server.settings import Settings
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",

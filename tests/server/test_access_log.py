@@ -15,8 +15,9 @@ from sim_app import running_app
 from support import REPO, wait_until
 
 from engine_adapter.backends.simulated import SimulatedConfig
-from server.access_log import AccessLog, client_address, parse_proxies, trace_id_of
+from server.middleware import AccessLog, client_address, trace_id_of
 from server.settings import Settings
+from server.settings_parse import parse_proxies
 
 SECRET = "the secret prompt words"
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": SECRET}], "max_tokens": 3}
