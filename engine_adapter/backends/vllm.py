@@ -33,10 +33,9 @@ if TYPE_CHECKING:
 
 from engine_adapter.backends.hf_tokenizer import HfTokenizer
 from engine_adapter.backends.vllm_config import CPU_BIND_ENV, VllmConfig, make_engine_args
-from engine_adapter.backends.vllm_env import configure_process_env, engine_process_env
+from engine_adapter.backends.vllm_env import configure_process_env, start_with_env
 
 logger = logging.getLogger(__name__)
-_CONSTRUCTING = threading.Lock()  # one AsyncLLM constructor at a time (each sets the environment it starts with)
 
 
 def to_sampling_params(s: SamplingOptions) -> Any:
@@ -190,8 +189,7 @@ class VllmEngine:
         abandoned = False
 
         def construct() -> None:
-            with _CONSTRUCTING, engine_process_env(env):
-                llm = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+            llm = start_with_env(env, lambda: AsyncLLM.from_engine_args(args, stat_loggers=[factory]))
             with handover:
                 if not abandoned:
                     self._llm = llm
@@ -201,8 +199,9 @@ class VllmEngine:
         # In a thread: the constructor starts the engine processes and waits for
         # them (~20 s on CPU); the event loop goes on serving meanwhile (an engine
         # started on first use, a worker restarting, /health during start-up).
-        # One at a time: each sets its own environment for the processes it
-        # starts. A cancelled start leaves no engine processes behind: the
+        # Each sets its own environment for the processes it starts, one at a
+        # time until they are spawned (vllm_env.start_with_env); then they load
+        # at once. A cancelled start leaves no engine processes behind: the
         # thread shuts down what it built, or stop() does if it was handed over.
         try:
             await asyncio.to_thread(construct)

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import psutil
+
+T = TypeVar("T")
 
 # oneDNN's process-wide primitive cache (1,024 entries by default). vLLM's CPU
 # linear layers keep their own 32 most recent primitives per weight shape,
@@ -57,10 +63,9 @@ def configure_process_env(device: str) -> None:
 
 @contextlib.contextmanager
 def engine_process_env(env: Sequence[tuple[str, str]]) -> Iterator[None]:
-    """`env` on top of the process environment while one engine's processes
-    start (they inherit it), restored afterwards. AsyncLLM's constructor
-    starts them synchronously, and constructors run one at a time
-    (vllm.py's `_CONSTRUCTING`), so no other engine starts meanwhile."""
+    """`env` on top of the process environment, restored afterwards. One
+    engine's processes inherit it when they are spawned while it is set;
+    `start_with_env` sets it for one engine's start at a time."""
     saved = {k: os.environ.get(k) for k, _ in env}
     os.environ.update(dict(env))
     try:
@@ -71,3 +76,59 @@ def engine_process_env(env: Sequence[tuple[str, str]]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+_STARTING = threading.Lock()  # one engine's environment set at a time
+
+
+def start_with_env(env: Sequence[tuple[str, str]], start: Callable[[], T], poll: float = 0.05) -> T:
+    """`start()` (AsyncLLM's constructor: it spawns the engine's processes
+    and waits until they are up, ~20 s on CPU) with `env` set for the
+    processes it spawns. `env` and the lock that keeps other starts from
+    setting theirs are held only until this start's first process is
+    spawned (multiprocessing's spawn: a new child running `spawn_main`, whose
+    environment is fixed from then on), or until `start()` ends where it
+    spawns none: the engines of a model (--num-workers, --extra-model) then
+    load at once instead of one after another."""
+    _STARTING.acquire()
+    restore = threading.Lock()
+    released = threading.Event()
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+    cm = engine_process_env(env)
+    cm.__enter__()
+
+    def release() -> None:
+        with restore:
+            if released.is_set():
+                return
+            released.set()
+            cm.__exit__(None, None, None)
+            _STARTING.release()
+
+    def watch() -> None:
+        while not released.wait(poll):
+            if _spawned_since(me, before):
+                release()
+
+    watcher = threading.Thread(target=watch, name="engine-start-env", daemon=True)
+    watcher.start()
+    try:
+        return start()
+    finally:
+        release()
+        watcher.join()
+
+
+def _spawned_since(me: psutil.Process, before: set[int]) -> bool:
+    """A child not in `before` runs multiprocessing's `spawn_main` (it has
+    exec'd, so its environment is its own)."""
+    for child in me.children():
+        if child.pid in before:
+            continue
+        try:
+            if any("spawn_main" in part for part in child.cmdline()):
+                return True
+        except psutil.Error:  # gone, or not readable yet
+            continue
+    return False
