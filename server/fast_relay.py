@@ -127,18 +127,15 @@ _ROUTES = {path: _Route(path) for path in PATHS}
 
 
 class FastRelay:
-    """Called by the middleware for every request: None when it answered
-    the request, else the `receive` the full app runs with (the body it read
-    is replayed)."""
+    """Called by the middleware for every request while the gateway passes
+    some model through to upstream nodes: None when it answered the request,
+    else the `receive` the full app runs with (the body it read is
+    replayed)."""
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
+    async def __call__(self, gw: Gateway, scope: Scope, receive: Receive, send: Send) -> Receive | None:
         path = scope["path"]
         spec = PATHS.get(path)
         if spec is None or scope["method"] != "POST":
-            return receive
-        app = scope.get("app")
-        gw: Gateway | None = getattr(app.state, "gateway", None) if app is not None else None
-        if gw is None or not gw.relays:
             return receive
         read: list[Message] = []
         chunks: list[bytes] = []

@@ -63,9 +63,20 @@ from server.settings_parse import Network
 
 if TYPE_CHECKING:
     from server.fast_relay import FastRelay
+    from server.state import Gateway
     from server.tracing import Tracing
 
 logger = logging.getLogger(__name__)
+
+
+def _relaying(scope: Scope) -> Gateway | None:
+    """The gateway while some model of it is passed through to upstream
+    nodes (only then is the short path tried), else None."""
+    app = scope.get("app")
+    gw: Gateway | None = getattr(app.state, "gateway", None) if app is not None else None
+    return gw if gw is not None and gw.relays else None
+
+
 ACCESS_LOGGER = "npu_gateway.access"
 _JSON_ROUTES = ("/v1/", "/tokenize", "/detokenize", "/admin/", "/generate")
 RecordSink = Callable[[dict[str, Any]], None]
@@ -140,8 +151,10 @@ class GatewayMiddleware:
                 await _send_error(send_wrapper, err, scope["path"])
                 return
             receive_app: Receive | None = receive_wrapper
-            if self.fast is not None:  # the gateway tier's pass-through requests (server/fast_relay.py)
-                receive_app = await self.fast(scope, receive_wrapper, send_wrapper)
+            fast = self.fast
+            gw = _relaying(scope) if fast is not None else None
+            if fast is not None and gw is not None:  # the gateway tier's pass-through requests (server/fast_relay.py)
+                receive_app = await fast(gw, scope, receive_wrapper, send_wrapper)
             if receive_app is not None:
                 await self.app(scope, receive_app, send_wrapper)
         except asyncio.CancelledError as e:
