@@ -21,7 +21,7 @@ from starlette.requests import Request
 from engine_adapter.errors import InvalidRequest
 from engine_adapter.lease import Ask
 from engine_adapter.pool import WorkerPool
-from engine_adapter.queue_stats import Histogram
+from engine_adapter.scheduler import Histogram
 from engine_adapter.types import GenerationRequest, RelayCall
 from server.auth import KeyEntry, Principal
 from server.settings import Settings
