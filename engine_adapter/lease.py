@@ -22,6 +22,9 @@ ends, and `release()` those never streamed; it is idempotent and always
 safe to call. The two kinds are abstract base classes, not runtime
 Protocols: the dispatch is an `isinstance` on every request, which costs
 about 0.1 us on a class and about 20 us on a runtime-checkable Protocol.
+
+What a pool's lease holds is here too: `Worker` (what a WorkerPool keeps per
+engine instance) and `Slot` (one of a worker's slots, held for one request).
 """
 
 from __future__ import annotations
