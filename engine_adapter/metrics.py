@@ -7,7 +7,7 @@ isolated. Also the names the seed deployment's PromQL queries.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -67,39 +67,44 @@ class EngineMetrics:
         L = ["model_name", "engine"]
         r = registry
         self.registry = registry  # for the engines' info gauges (backends/vllm_effective.py)
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, L, registry=r)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, L, registry=r)
-
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(name, doc, L, buckets=buckets, registry=r)
-
-        self.running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", L, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", L, registry=r)
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L, registry=r
+        )
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", L, registry=r)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", L, registry=r
+        )
         self.success = Counter(
             "vllm:request_success", "Count of successfully processed requests.", [*L, "finished_reason"], registry=r
         )
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions.", L, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", L, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", L, registry=r)
         tok = _token_buckets(max_model_len)
-        self.iteration_tokens = histogram(
-            "vllm:iteration_tokens_total", "Histogram of tokens per engine step.",
-            [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total", "Histogram of tokens per engine step.", L,
+            buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], registry=r,
         )
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", _LATENCY)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", _ITL)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End to end request latency in seconds.", _E2E)
-        self.queue_time = histogram(
-            "vllm:request_queue_time_seconds", "Time spent in the engine's WAITING phase.", _E2E
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token in seconds.", L, buckets=_LATENCY, registry=r
         )
-        self.req_prompt = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", tok)
-        self.req_generation = histogram("vllm:request_generation_tokens", "Generation tokens per request.", tok)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", L, buckets=_ITL, registry=r
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End to end request latency in seconds.", L, buckets=_E2E, registry=r
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time spent in the engine's WAITING phase.", L, buckets=_E2E, registry=r
+        )
+        self.req_prompt = Histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", L, buckets=tok, registry=r
+        )
+        self.req_generation = Histogram(
+            "vllm:request_generation_tokens", "Generation tokens per request.", L, buckets=tok, registry=r
+        )
         # vLLM's LoRA info gauge, named and labelled as vLLM does (value: the
         # time of the last update), plus model_name and engine; only each
         # engine's latest label set is kept (vLLM keeps every one it saw).
@@ -109,9 +114,9 @@ class EngineMetrics:
         )
         self._lora_last: dict[tuple[str, str], tuple[str, ...]] = {}
         # The seed deployment's names (its PromQL must keep working).
-        self.seed_running = gauge("vllm_num_running_requests", "Requests running on the engine.")
-        self.seed_batch_tokens = counter(
-            "vllm_batch_tokens_processed", "Tokens processed by engine steps (prefill + decode)."
+        self.seed_running = Gauge("vllm_num_running_requests", "Requests running on the engine.", L, registry=r)
+        self.seed_batch_tokens = Counter(
+            "vllm_batch_tokens_processed", "Tokens processed by engine steps (prefill + decode).", L, registry=r
         )
 
     def init_engine(self, model: str, engine: int) -> None:
