@@ -23,17 +23,23 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine_adapter.errors import DeadlineUnmeetable, EngineDead, QueueFull, QueueTimeout, ShuttingDown
-from engine_adapter.lease import Slot
-from engine_adapter.queue_stats import QueueStats
+from engine_adapter.lease import Slot, Worker
 from engine_adapter.routing.policy import RouteKey
-from engine_adapter.scheduler import FairQueue, Policy, Waiter
-from engine_adapter.workers import PoolCounters, Worker
+from engine_adapter.scheduler import FairQueue, Policy, QueueStats, Waiter
 
 logger = logging.getLogger("engine_adapter.pool")
 K = TypeVar("K")
+
+
+@dataclass(slots=True)
+class PoolCounters:
+    rejected: Counter[str] = field(default_factory=Counter)
+    queue_time_total: float = 0.0
+    dispatched: int = 0
 
 
 class Admission:

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 M = TypeVar("M", bound=MetricWrapperBase)
+# One engine's label values (model_name, engine), as its stat logger holds them.
+Labels = tuple[str, str]
 
 
 class Children:
@@ -131,34 +133,29 @@ class EngineMetrics:
         for reason in ("stop", "length", "abort"):
             self.success.labels(model, e, reason)
 
-    def set_scheduler(self, model: str, engine: int, running: int, waiting: int, kv_usage: float) -> None:
-        e = str(engine)
-        self._child(self.running, model, e).set(running)
-        self._child(self.seed_running, model, e).set(running)
-        self._child(self.waiting, model, e).set(waiting)
-        self._child(self.kv_usage, model, e).set(kv_usage)
+    def set_scheduler(self, at: Labels, running: int, waiting: int, kv_usage: float) -> None:
+        self._child(self.running, *at).set(running)
+        self._child(self.seed_running, *at).set(running)
+        self._child(self.waiting, *at).set(waiting)
+        self._child(self.kv_usage, *at).set(kv_usage)
 
-    def set_lora_info(
-        self, model: str, engine: int, max_lora: int, waiting: Iterable[str], running: Iterable[str]
-    ) -> None:
-        labels = (model, str(engine), str(max_lora), ",".join(waiting), ",".join(running))
+    def set_lora_info(self, at: Labels, max_lora: int, waiting: Iterable[str], running: Iterable[str]) -> None:
+        labels = (*at, str(max_lora), ",".join(waiting), ",".join(running))
         last = self._lora_last.get(labels[:2])
         if last is not None and last != labels:
             self.lora_info.remove(*last)
         self._lora_last[labels[:2]] = labels
         self.lora_info.labels(*labels).set_to_current_time()
 
-    def add_prefix_cache(self, model: str, engine: int, queries: int, hits: int) -> None:
-        e = str(engine)
+    def add_prefix_cache(self, at: Labels, queries: int, hits: int) -> None:
         if queries:
-            self._child(self.prefix_queries, model, e).inc(queries)
+            self._child(self.prefix_queries, *at).inc(queries)
         if hits:
-            self._child(self.prefix_hits, model, e).inc(hits)
+            self._child(self.prefix_hits, *at).inc(hits)
 
     def observe_iteration(
         self,
-        model: str,
-        engine: int,
+        at: Labels,
         prompt_tokens: int,
         generation_tokens: int,
         preemptions: int,
@@ -168,34 +165,31 @@ class EngineMetrics:
     ) -> None:
         """One engine step. `batch_tokens`: tokens the step computed (prompt
         tokens not served from the prefix cache, plus generated ones)."""
-        e = str(engine)
-        self._child(self.prompt_tokens, model, e).inc(prompt_tokens)
-        self._child(self.generation_tokens, model, e).inc(generation_tokens)
+        self._child(self.prompt_tokens, *at).inc(prompt_tokens)
+        self._child(self.generation_tokens, *at).inc(generation_tokens)
         if preemptions:
-            self._child(self.preemptions, model, e).inc(preemptions)
+            self._child(self.preemptions, *at).inc(preemptions)
         batch = prompt_tokens + generation_tokens if batch_tokens is None else batch_tokens
-        self._child(self.iteration_tokens, model, e).observe(batch)
-        self._child(self.seed_batch_tokens, model, e).inc(batch)
-        ttft = self._child(self.ttft, model, e)
+        self._child(self.iteration_tokens, *at).observe(batch)
+        self._child(self.seed_batch_tokens, *at).inc(batch)
+        ttft = self._child(self.ttft, *at)
         for v in ttfts:
             ttft.observe(v)
-        itl = self._child(self.itl, model, e)
+        itl = self._child(self.itl, *at)
         for v in itls:
             itl.observe(v)
 
     def observe_finished(
         self,
-        model: str,
-        engine: int,
+        at: Labels,
         reason: str,
         e2e: float,
         queued: float,
         prompt_tokens: int,
         generation_tokens: int,
     ) -> None:
-        e = str(engine)
-        self._child(self.success, model, e, reason).inc()
-        self._child(self.e2e, model, e).observe(e2e)
-        self._child(self.queue_time, model, e).observe(queued)
-        self._child(self.req_prompt, model, e).observe(prompt_tokens)
-        self._child(self.req_generation, model, e).observe(generation_tokens)
+        self._child(self.success, *at, reason).inc()
+        self._child(self.e2e, *at).observe(e2e)
+        self._child(self.queue_time, *at).observe(queued)
+        self._child(self.req_prompt, *at).observe(prompt_tokens)
+        self._child(self.req_generation, *at).observe(generation_tokens)

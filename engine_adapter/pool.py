@@ -34,7 +34,7 @@ from engine_adapter.errors import (
     RequestTimeout,
     ShuttingDown,
 )
-from engine_adapter.lease import Ask, PoolLease, PoolRelayLease, Prepared, Slot
+from engine_adapter.lease import Ask, PoolLease, PoolRelayLease, Prepared, Slot, Worker
 from engine_adapter.routing.policy import RouteKey, RoutingPolicy
 from engine_adapter.running import Runner
 from engine_adapter.scheduler import Policy, relay_cost, request_cost
@@ -50,7 +50,6 @@ from engine_adapter.types import (
     RelayCall,
     Tokenizer,
 )
-from engine_adapter.workers import Worker
 
 logger = logging.getLogger(__name__)
 

@@ -7,23 +7,88 @@ A `Runner` is owned by its pool and given what it needs: the pool's name
 (for logs), `on_dead` (the supervisor's: a worker whose engine died) and
 `accepting` (whether the pool still serves: a cancel while draining says
 so). It never touches slots: the lease (engine_adapter/lease.py) alone
-releases them, after the run ends."""
+releases them, after the run ends.
+
+Each local request's deltas travel in a `Channel` from the producer task
+to the HTTP consumer. It is a deque and one waiter future, not an
+`asyncio.Queue`: the producer puts one item per engine step, the consumer
+takes everything that is ready in one wake-up (a slow consumer then writes
+one batch, not one socket write per token). It has one consumer and no
+bound: the producer is the engine, whose output per request is bounded by
+`max_tokens`. END and TICK (the idle ticker's) are its sentinels."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 
-from engine_adapter.channel import END, TICK, Channel, Ticker
 from engine_adapter.errors import EngineDead, EngineError, GatewayError, RequestTimeout, ShuttingDown
-from engine_adapter.lease import Slot
+from engine_adapter.lease import Slot, Worker
 from engine_adapter.types import EngineOutput, GenerationRequest, RelayCall, RelayUsage
-from engine_adapter.workers import Worker
 
 logger = logging.getLogger("engine_adapter.pool")
+
+END = object()
+TICK = object()
+
+
+class Channel:
+    """The per-request channel from an engine's producer task to the HTTP
+    consumer (see the module's doc)."""
+
+    __slots__ = ("_items", "_loop", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[object] = deque()
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: object) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def take(self) -> list[object]:
+        """Everything put since the last call (at least one item)."""
+        while not self._items:
+            waiter = self._loop.create_future()
+            self._waiter = waiter
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+
+class Ticker:
+    """Puts TICK into a channel whenever nothing else came for `every` s."""
+
+    __slots__ = ("_handle", "_loop", "channel", "every", "seen")
+
+    def __init__(self, channel: Channel, every: float) -> None:
+        self.channel = channel
+        self.every = every
+        self.seen = False
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_later(every, self._fire)
+
+    def _fire(self) -> None:
+        if not self.seen:
+            self.channel.put(TICK)
+        self.seen = False
+        self._handle = self._loop.call_later(self.every, self._fire)
+
+    def stop(self) -> None:
+        self._handle.cancel()
 
 
 class Runner:

@@ -17,9 +17,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 from engine_adapter.errors import EngineDead
+from engine_adapter.lease import Worker
 from engine_adapter.readiness import probe_once
 from engine_adapter.types import Engine
-from engine_adapter.workers import Worker
 
 logger = logging.getLogger("engine_adapter.pool")
 

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from engine_adapter.pool import WorkerPool
-from engine_adapter.queue_stats import Histogram
+from engine_adapter.scheduler import Histogram
 from server.auth import KeyEntry
 from server.settings import Settings
 

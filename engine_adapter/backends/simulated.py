@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine_adapter.backends.hf_tokenizer import HfTokenizer
 from engine_adapter.errors import EngineDead, InvalidRequest
 from engine_adapter.types import (
     EmbeddingRequest,
@@ -28,12 +29,15 @@ _WORDS = (
 _SPECIAL = 3  # 0 <pad>, 1 <bos>, 2 <eos>; byte b is token b + 3
 
 
-class ByteTokenizer:
-    """One token per UTF-8 byte; a ChatML-like template. Invertible."""
+class _ByteCodec:
+    """One token per UTF-8 byte; a ChatML-like template. Invertible. Shaped
+    like a Hugging Face tokenizer (the calls HfTokenizer makes of one)."""
 
-    eos_token_id: int | None = 2
-    vocab_size: int = 2048
+    eos_token_id = 2
     chat_template: str | None = None
+
+    def __len__(self) -> int:
+        return 2048
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids = [b + _SPECIAL for b in text.encode("utf-8")]
@@ -46,18 +50,19 @@ class ByteTokenizer:
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         return [self.decode([t]) if t >= _SPECIAL else f"<{t}>" for t in token_ids]
 
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template: str | None = None,
-    ) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kw: Any) -> str:
         parts = [f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages]
         if add_generation_prompt:
             parts.append("<|im_start|>assistant\n")
         return "".join(parts)
+
+
+class ByteTokenizer(HfTokenizer):
+    """The simulated engine's tokenizer: the byte codec above, seen through
+    the same adapter as the tokenizer vLLM loads (so fast tests run it)."""
+
+    def __init__(self) -> None:
+        super().__init__(_ByteCodec())
 
 
 @dataclass(frozen=True, slots=True)

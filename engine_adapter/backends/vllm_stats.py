@@ -9,7 +9,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 if TYPE_CHECKING:
     from engine_adapter.backends.vllm_config import VllmConfig
-    from engine_adapter.metrics import EngineMetrics
+    from engine_adapter.metrics import EngineMetrics, Labels
 
 
 class StatsEngine(Protocol):
@@ -28,8 +28,7 @@ class GatewayStatLogger(StatLoggerBase):
     def __init__(self, engine: StatsEngine, metrics: EngineMetrics | None) -> None:
         self._engine = engine
         self._metrics = metrics
-        self._model = engine.config.served_model_name
-        self._index = engine.index
+        self._at: Labels = (engine.config.served_model_name, str(engine.index))
         cfg = engine.config
         self._max_lora = (cfg.max_loras or 1) if cfg.enable_lora else 0
 
@@ -49,12 +48,12 @@ class GatewayStatLogger(StatLoggerBase):
             kv = float(scheduler_stats.kv_cache_usage)
             self._engine.record_scheduler(running, waiting, kv)
             if m is not None:
-                m.set_scheduler(self._model, self._index, running, waiting, kv)
+                m.set_scheduler(self._at, running, waiting, kv)
                 pc = scheduler_stats.prefix_cache_stats
-                m.add_prefix_cache(self._model, self._index, int(pc.queries), int(pc.hits))
+                m.add_prefix_cache(self._at, int(pc.queries), int(pc.hits))
                 if self._max_lora:
                     m.set_lora_info(
-                        self._model, self._index, self._max_lora,
+                        self._at, self._max_lora,
                         getattr(scheduler_stats, "waiting_lora_adapters", None) or {},
                         getattr(scheduler_stats, "running_lora_adapters", None) or {},
                     )
@@ -62,8 +61,7 @@ class GatewayStatLogger(StatLoggerBase):
             return
         pts = iteration_stats.prompt_token_stats
         m.observe_iteration(
-            self._model,
-            self._index,
+            self._at,
             prompt_tokens=int(iteration_stats.num_prompt_tokens),
             generation_tokens=int(iteration_stats.num_generation_tokens),
             preemptions=int(iteration_stats.num_preempted_reqs),
@@ -73,8 +71,7 @@ class GatewayStatLogger(StatLoggerBase):
         )
         for fr in iteration_stats.finished_requests:
             m.observe_finished(
-                self._model,
-                self._index,
+                self._at,
                 reason=str(fr.finish_reason),
                 e2e=float(fr.e2e_latency),
                 queued=float(fr.queued_time),

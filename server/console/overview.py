@@ -12,9 +12,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 from engine_adapter.backends.remote import is_remote
 from engine_adapter.devices import DeviceMonitor
+from engine_adapter.lease import Worker
 from engine_adapter.pool import WorkerPool
 from engine_adapter.routing.upstream import upstreams_of
-from engine_adapter.workers import Worker
 from server.state import Gateway
 
 

@@ -502,10 +502,9 @@ async def test_an_aborted_request_leaves_no_pending_blocks() -> None:
     """Through the Runner: a request routed to an engine that never answers
     is cancelled (the client went away): its pending blocks go."""
     from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
-    from engine_adapter.lease import Slot
+    from engine_adapter.lease import Slot, Worker
     from engine_adapter.running import Runner
     from engine_adapter.types import GenerationRequest, SamplingOptions
-    from engine_adapter.workers import Worker
 
     a = tuple(META["prompts"]["A"])
     p = policy()

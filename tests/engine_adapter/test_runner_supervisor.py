@@ -13,11 +13,10 @@ from support import wait_until
 
 from engine_adapter.backends.simulated import SimulatedConfig, SimulatedEngine
 from engine_adapter.errors import EngineDead, RequestTimeout, ShuttingDown
-from engine_adapter.lease import Slot
+from engine_adapter.lease import Slot, Worker
 from engine_adapter.running import Runner
 from engine_adapter.supervision import Supervisor
 from engine_adapter.types import EngineOutput, GenerationRequest, SamplingOptions
-from engine_adapter.workers import Worker
 
 
 def req(rid: str, max_tokens: int = 3, deadline: float | None = None) -> GenerationRequest:
