@@ -76,7 +76,7 @@ async def test_killed_engine_core_fails_its_requests_cleanly_and_restarts(two_wo
     assert len(cores) == 2, [c.cmdline() for c in cores]
     # one long stream per worker (least-loaded dispatch), then kill one core
     started = [asyncio.Event(), asyncio.Event()]
-    streams = [asyncio.ensure_future(stream_events(url, 600, s)) for s in started]
+    streams = [asyncio.ensure_future(stream_events(url, 200, s)) for s in started]
     await wait_until(lambda: all(s.is_set() for s in started), timeout=240, what="both streams' first chunk")
     victim = cores[0]
     os.kill(victim.pid, signal.SIGKILL)
@@ -110,7 +110,7 @@ async def test_killed_engine_core_fails_its_requests_cleanly_and_restarts(two_wo
 async def test_plain_request_on_dying_engine_gets_503(two_workers: GatewayProcess, tmp_path: Path) -> None:
     url = two_workers.url
     body = {"model": EMBEDDED, "messages": [{"role": "user", "content": "Tell a story."}],
-            "max_tokens": 600, "ignore_eos": True}
+            "max_tokens": 200, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=300) as http:
         reqs = [asyncio.ensure_future(http.post(url + "/v1/chat/completions", json=body)) for _ in range(2)]
         await wait_until(lambda: both_engines_running(url), timeout=240, what="a request on each engine", interval=0.2)

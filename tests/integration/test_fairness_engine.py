@@ -1,7 +1,8 @@
 """Fair share on the real engine: one key floods a two-slot gateway, another
 key's request is served after at most one slot turnover (issue 34); with
 --fair-reserve-slots 1 it starts while the flood still holds both slots.
-One gateway process per variant; short answers keep it quick."""
+One gateway process per variant, both started at once; short answers keep
+it quick."""
 
 from __future__ import annotations
 
@@ -21,33 +22,44 @@ FLOOD = 8
 TOKENS = 16
 
 
-def gateway(tmp_path_factory: pytest.TempPathFactory, *extra: str) -> Iterator[GatewayProcess]:
+def start(tmp_path_factory: pytest.TempPathFactory, *extra: str) -> GatewayProcess:
     tmp = tmp_path_factory.mktemp("fairness")
     keys = tmp / "keys.yaml"
     keys.write_text(yaml.safe_dump({"keys": [
         {"name": name, "sha256": hashlib.sha256(f"sk-{name}".encode()).hexdigest()} for name in ("flood", "small")
     ]}))
-    gw = GatewayProcess(
+    return GatewayProcess(
         ["--max-num-seqs", "2", "--embedding-model", "none", "--max-model-len", "1024",
          "--readiness-interval", "3600", "--api-keys-file", str(keys), "--admin-api-key", "sk-admin",
          "--max-queue-wait", "120", *extra],
         tmp / "gateway.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
     )
+
+
+@pytest.fixture(scope="module")
+def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, GatewayProcess]]:
+    """Both variants, started together (their engines load side by side);
+    each test uses one while the other idles."""
+    procs: dict[str, GatewayProcess] = {}
     try:
-        gw.wait_ready(timeout=480)
-        yield gw
+        procs["fair"] = start(tmp_path_factory)
+        procs["reserve"] = start(tmp_path_factory, "--fair-reserve-slots", "1")
+        for gw in procs.values():
+            gw.wait_ready(timeout=480)
+        yield procs
     finally:
-        gw.stop()
+        for gw in procs.values():
+            gw.stop()
 
 
 @pytest.fixture(scope="module")
-def fair_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    yield from gateway(tmp_path_factory)
+def fair_gateway(gateways: dict[str, GatewayProcess]) -> GatewayProcess:
+    return gateways["fair"]
 
 
 @pytest.fixture(scope="module")
-def reserve_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    yield from gateway(tmp_path_factory, "--fair-reserve-slots", "1")
+def reserve_gateway(gateways: dict[str, GatewayProcess]) -> GatewayProcess:
+    return gateways["reserve"]
 
 
 async def stream(http: httpx.AsyncClient, key: str, first: Callable[[], Awaitable[None]] | None = None) -> None:
