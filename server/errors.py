@@ -178,17 +178,10 @@ def validation_error(exc: RequestValidationError) -> InvalidRequest:
 # Anthropic's statuses: a full queue or a queue wait is "overloaded" (529, which
 # its SDK retries); a draining or dead engine is 503, so nginx fails over.
 ANTHROPIC_KINDS: dict[type[GatewayError], Kind] = {
+    **KINDS,  # OpenAI's where the two agree, and Anthropic's own:
     GatewayError: Kind(500, "api_error"),
-    InvalidRequest: Kind(400, "invalid_request_error"),
-    UnsupportedMediaType: Kind(415, "invalid_request_error"),
-    MethodNotAllowed: Kind(405, "invalid_request_error"),
-    AuthenticationError: Kind(401, "authentication_error"),
-    PermissionDenied: Kind(403, "permission_error"),
-    NotFound: Kind(404, "not_found_error"),
     RequestTooLarge: Kind(413, "request_too_large"),
-    RateLimited: Kind(429, "rate_limit_error"),
     QueueFull: Kind(529, "overloaded_error"),
-    RequestTimeout: Kind(504, "timeout_error"),
     EngineError: Kind(500, "api_error"),
     ServiceUnavailable: Kind(503, "overloaded_error"),
     QueueTimeout: Kind(529, "overloaded_error"),
