@@ -90,21 +90,24 @@ def start_with_env(env: Sequence[tuple[str, str]], start: Callable[[], T], poll:
     environment is fixed from then on), or until `start()` ends where it
     spawns none: the engines of a model (--num-workers, --extra-model) then
     load at once instead of one after another."""
-    _STARTING.acquire()
-    restore = threading.Lock()
+    held = contextlib.ExitStack()  # closed once: the environment restored, then the lock released
+    once = threading.Lock()
     released = threading.Event()
-    me = psutil.Process()
-    before = {p.pid for p in me.children()}
-    cm = engine_process_env(env)
-    cm.__enter__()
 
     def release() -> None:
-        with restore:
-            if released.is_set():
-                return
-            released.set()
-            cm.__exit__(None, None, None)
-            _STARTING.release()
+        with once:
+            if not released.is_set():
+                released.set()
+                held.close()
+
+    held.enter_context(_STARTING)
+    try:
+        held.enter_context(engine_process_env(env))
+        me = psutil.Process()
+        before = {p.pid for p in me.children()}  # after the lock: no other start spawns meanwhile
+    except BaseException:
+        release()
+        raise
 
     def watch() -> None:
         while not released.wait(poll):
