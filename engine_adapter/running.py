@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
+from dataclasses import KW_ONLY, dataclass, field
 
 from engine_adapter.errors import EngineDead, EngineError, GatewayError, RequestTimeout, ShuttingDown
 from engine_adapter.lease import Slot, Worker
@@ -91,26 +92,29 @@ class Ticker:
         self._handle.cancel()
 
 
+def _no_observe(index: int, tokens: Sequence[int], cached: int) -> None:
+    pass
+
+
+def _no_settle(index: int, tokens: Sequence[int]) -> None:
+    pass
+
+
+@dataclass(eq=False)
 class Runner:
-    def __init__(
-        self,
-        name: str,
-        *,
-        on_dead: Callable[[Worker, BaseException], None],
-        accepting: Callable[[], bool],
-        observe: Callable[[int, Sequence[int], int], None] = lambda index, tokens, cached: None,
-        settle: Callable[[int, Sequence[int]], None] = lambda index, tokens: None,
-    ) -> None:
-        self.name = name
-        self._on_dead = on_dead
-        self._accepting = accepting
-        # what the engine's prefix cache held for a request (its first output):
-        # the routing policy's check of its prediction (kv-events)
-        self._observe = observe
-        # a request that ended before its first output (error, cancel, abort)
-        self._settle = settle
-        self._running = 0
-        self._idle = asyncio.Event()
+    name: str
+    _: KW_ONLY
+    on_dead: Callable[[Worker, BaseException], None]
+    accepting: Callable[[], bool]
+    # what the engine's prefix cache held for a request (its first output):
+    # the routing policy's check of its prediction (kv-events)
+    observe: Callable[[int, Sequence[int], int], None] = _no_observe
+    # a request that ended before its first output (error, cancel, abort)
+    settle: Callable[[int, Sequence[int]], None] = _no_settle
+    _running: int = field(default=0, init=False)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+
+    def __post_init__(self) -> None:
         self._idle.set()
 
     @property
@@ -212,22 +216,22 @@ class Runner:
                 w.saw_output()
                 if first:
                     first = False
-                    self._observe(w.index, req.prompt_token_ids, out.cached_tokens)
+                    self.observe(w.index, req.prompt_token_ids, out.cached_tokens)
                 put(out)
             w.last_ready = time.monotonic()
             put(END)
         except asyncio.CancelledError:
             await w.abort_quietly(req.request_id)
-            if not self._accepting():
+            if not self.accepting():
                 put(ShuttingDown("the server shut down before the request finished"))
             raise
         except GatewayError as e:
             if isinstance(e, EngineDead):
-                self._on_dead(w, e)
+                self.on_dead(w, e)
             put(e)
         except Exception as e:  # an engine bug must not hang the client
             logger.exception("%s worker %d: generate failed", self.name, w.index)
             put(EngineError(f"engine error: {type(e).__name__}"))
         finally:
             if first:
-                self._settle(w.index, req.prompt_token_ids)
+                self.settle(w.index, req.prompt_token_ids)

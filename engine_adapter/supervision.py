@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass
 
 from engine_adapter.errors import EngineDead
 from engine_adapter.lease import Worker
@@ -26,31 +27,35 @@ logger = logging.getLogger("engine_adapter.pool")
 EngineFactory = Callable[[int], Engine]
 
 
+@dataclass(eq=False)
 class Supervisor:
-    def __init__(
-        self,
-        name: str,
-        workers: list[Worker],
-        factory: EngineFactory,
-        *,
-        spawn: Callable[[Awaitable[None]], None],
-        accepting: Callable[[], bool],
-        forget: Callable[[int], None],
-        wake: Callable[[Worker], None],
-        readiness_interval: float = 5.0,
-        probe_timeout: float | None = None,
-        restart_backoff: tuple[float, float] = (1.0, 30.0),
-    ) -> None:
-        self.name = name
-        self.workers = workers
-        self._factory = factory
-        self._spawn = spawn
-        self._accepting = accepting
-        self._forget = forget
-        self._wake = wake
-        self.readiness_interval = readiness_interval
-        self.probe_timeout = probe_timeout if probe_timeout is not None else readiness_interval
-        self.restart_backoff = restart_backoff
+    name: str
+    workers: list[Worker]
+    factory: EngineFactory
+    _: KW_ONLY
+    spawn: Callable[[Awaitable[None]], None]
+    accepting: Callable[[], bool]
+    forget: Callable[[int], None]
+    wake: Callable[[Worker], None]
+    readiness_interval: float = 5.0
+    probe_timeout: float | None = None  # None: the readiness interval
+    restart_backoff: tuple[float, float] = (1.0, 30.0)
+    # Passive readiness: output the engine produced (Worker.saw_output)
+    # counts as a good probe, so an engine busy with real requests gets no
+    # probe requests, and an idle one is probed once per interval and stays
+    # ready for 1.5 intervals after its last sign of life. Each probe keeps a
+    # vLLM worker busy-polling its shared-memory queue for ~1 s afterwards
+    # (vLLM's SpinCondition), so an idle engine probed every half interval
+    # took ~0.4 of a core from the engines that serve. A hung engine turns
+    # not-ready at most 1.5 intervals (7.5 s at the default 5 s) after its
+    # last output or probe. False (`--readiness-probe active`), the old rule:
+    # only probes and finished requests count, idle engines are probed twice
+    # per interval, ready for one interval.
+    passive_readiness: bool = True
+
+    def __post_init__(self) -> None:
+        if self.probe_timeout is None:
+            self.probe_timeout = self.readiness_interval
 
     def on_dead(self, w: Worker, err: BaseException) -> None:
         if not w.alive:
@@ -58,11 +63,11 @@ class Supervisor:
         logger.error("%s worker %d died: %s; restarting", self.name, w.index, err)
         w.alive = False
         w.last_ready = None
-        self._forget(w.index)  # its KV cache goes with it
+        self.forget(w.index)  # its KV cache goes with it
         for t in list(w.tasks):
             t.cancel()
-        if self._accepting():
-            self._spawn(self.restart(w))
+        if self.accepting():
+            self.spawn(self.restart(w))
 
     async def restart(self, w: Worker) -> None:
         delay, cap = self.restart_backoff
@@ -70,11 +75,11 @@ class Supervisor:
             await w.engine.stop()
         except Exception:
             logger.debug("stopping dead engine failed", exc_info=True)
-        while self._accepting():
+        while self.accepting():
             # The new engine takes the worker's place once it runs: while it
             # starts (~20 s on CPU, the event loop serving), the old one's card
             # and tokenizer answer what the pool is asked (`pool.card`).
-            engine = self._factory(w.index)
+            engine = self.factory(w.index)
             try:
                 await engine.start()
             except Exception:
@@ -94,7 +99,7 @@ class Supervisor:
             w.restarts += 1
             logger.info("%s worker %d restarted", self.name, w.index)
             await self.probe(w)
-            self._wake(w)  # waiters that can now be served
+            self.wake(w)  # waiters that can now be served
             return
 
     async def probe(self, w: Worker) -> None:
@@ -113,19 +118,6 @@ class Supervisor:
             logger.warning("%s worker %d: readiness probe failed: %s", self.name, w.index, e)
             return
         w.last_ready = time.monotonic()
-
-    # Passive readiness: output the engine produced (Worker.saw_output)
-    # counts as a good probe, so an engine busy with real requests gets no
-    # probe requests, and an idle one is probed once per interval and stays
-    # ready for 1.5 intervals after its last sign of life. Each probe keeps a
-    # vLLM worker busy-polling its shared-memory queue for ~1 s afterwards
-    # (vLLM's SpinCondition), so an idle engine probed every half interval
-    # took ~0.4 of a core from the engines that serve. A hung engine turns
-    # not-ready at most 1.5 intervals (7.5 s at the default 5 s) after its
-    # last output or probe. False (`--readiness-probe active`), the old rule:
-    # only probes and finished requests count, idle engines are probed twice
-    # per interval, ready for one interval.
-    passive_readiness: bool = True
 
     def ready_window(self) -> float:
         return self.readiness_interval * (1.5 if self.passive_readiness else 1.0)
