@@ -535,7 +535,7 @@ async def soak(target: Target, duration: float, interval: float, *, rate: float 
 def main(argv: list[str] | None = None) -> int:
     from soak_report import run_cli  # starts the gateway, writes JSON, plot and table
 
-    return run_cli(argv)
+    return run_cli(argv, sys.modules[__name__])
 
 
 if __name__ == "__main__":

@@ -14,9 +14,8 @@ import sys
 import tempfile
 import urllib.request
 from pathlib import Path
+from types import ModuleType
 from typing import Any
-
-from soak import Target, soak
 
 MODELS = {"vllm": ("SmolLM2-135M-Instruct", "all-MiniLM-L6-v2"), "simulated": ("simulated", "simulated-embedding")}
 LIMITED_RPM = 6
@@ -35,10 +34,8 @@ def keys_file(folder: Path) -> tuple[Path, str, str]:
     return path, key, limited
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    import soak as _soak
-
-    ap = argparse.ArgumentParser(description=_soak.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None, lib: ModuleType) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=lib.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=("vllm", "simulated"), default="vllm")
     ap.add_argument("--duration", type=float, default=3600, help="seconds of soak (after the capacity run)")
     ap.add_argument("--sample-interval", type=float, default=30)
@@ -59,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.concurrency is not None and not 1 <= args.concurrency <= 4000:
         raise SystemExit("bounded: 1 <= --concurrency <= 4000")
-    mix = dict(_soak.MIX)
+    mix = dict(lib.MIX)
     for item in args.mix:
         kind, _, w = item.partition("=")
         if kind not in mix or not w.isdigit():
@@ -71,10 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_cli(argv: list[str] | None = None) -> int:
+def run_cli(argv: list[str] | None, lib: ModuleType) -> int:
+    """bench/soak.py's command line; `lib` is bench/soak.py itself (passed in:
+    this module does not import it, so the two make no import circle)."""
     from _common import GATEWAY, ROOT, Server, free_port, git_commit, machine_info, save_json, versions
 
-    args = parse_args(argv)
+    args = parse_args(argv, lib)
     try:
         import uvloop
 
@@ -103,12 +102,12 @@ def run_cli(argv: list[str] | None = None) -> int:
                 served = {m["id"] for m in json.load(r)["data"]}
             if model not in served:
                 raise SystemExit(f"the gateway serves {sorted(served)}, not {model}")
-            target = Target(url, model, emb if emb in served else None, key=key, limited_key=limited,
+            target = lib.Target(url, model, emb if emb in served else None, key=key, limited_key=limited,
                             pid=srv.pid, max_tokens=args.max_tokens)
             print(f"  gateway ready in {srv.start_s:.0f}s (pid {srv.pid}); soak {args.duration:.0f}s", flush=True)
             malloc = engine_allocators(srv.pid)
             print(f"  engine processes' allocator: {malloc}", flush=True)
-            res = asyncio.run(soak(
+            res = asyncio.run(lib.soak(
                 target, args.duration, args.sample_interval, rate=args.rate, concurrency=args.concurrency,
                 capacity_seconds=args.capacity_seconds, capacity_concurrency=args.capacity_concurrency,
                 load=args.load, seed=args.seed, journal=str(journal), mix=args.mix,
