@@ -103,7 +103,7 @@ def run_cli(argv: list[str] | None, lib: ModuleType) -> int:
             if model not in served:
                 raise SystemExit(f"the gateway serves {sorted(served)}, not {model}")
             target = lib.Target(url, model, emb if emb in served else None, key=key, limited_key=limited,
-                            pid=srv.pid, max_tokens=args.max_tokens)
+                                pid=srv.pid, max_tokens=args.max_tokens)
             print(f"  gateway ready in {srv.start_s:.0f}s (pid {srv.pid}); soak {args.duration:.0f}s", flush=True)
             malloc = engine_allocators(srv.pid)
             print(f"  engine processes' allocator: {malloc}", flush=True)
